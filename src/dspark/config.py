@@ -1,0 +1,27 @@
+"""Engine settings in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    target: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "bf16"
+    max_num_seqs: int = 64  # requests decoding at once; more wait
+    max_model_len: int | None = None  # context limit; None: the target's max_position_embeddings
+    threads: int | None = None  # torch intra-op threads; None: leave torch's default
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,42 @@
+"""The Drafter interface: propose a block of draft tokens per request, with the exact distribution each
+was sampled from (q) and optional per-position confidences (c, survival given the earlier drafts)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [R, gamma] long
+    q: torch.Tensor | None  # [R, gamma, V] draft distributions; None: each draft is a point mass
+    lengths: torch.Tensor  # [R] drafts actually proposed (tokens past it are padding)
+    confidence: torch.Tensor | None = None  # [R, gamma] c_k in (0, 1)
+
+    @staticmethod
+    def empty(num_requests: int) -> "Proposal":
+        z = torch.zeros(num_requests, 0, dtype=torch.long)
+        return Proposal(z, None, torch.zeros(num_requests, dtype=torch.long))
+
+
+class Drafter:
+    """Base class: no drafts (plain decoding). Subclasses override `propose` and, when they read target
+    features, set `target_layer_ids` and use `commit`."""
+
+    gamma: int = 0
+    target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
+
+    def propose(self, requests: list) -> Proposal:
+        """Draft for every running request (in order); sample with each request's params and generator."""
+        return Proposal.empty(len(requests))
+
+    def commit(self, requests: list, features: list[torch.Tensor | None]) -> None:
+        """Target features ([n_r, m*d]) of each request's newly committed positions."""
+
+    def release(self, request) -> None:
+        """Forget a finished or cancelled request."""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding: one target forward per token."""

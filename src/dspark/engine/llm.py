@@ -1,0 +1,62 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..config import EngineConfig
+from ..draft import make_drafter
+from ..sampling import SamplingParams
+from ..schedule import make_scheduler
+from ..target.loading import load_target
+from .llm_engine import LLMEngine
+from .request import RequestOutput
+
+
+class LLM:
+    """Load a target (and a drafter), then generate for many prompts with continuous batching.
+
+    target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
+    in the local cache. drafter: "none", "prompt-lookup" or a Drafter. scheduler: "fixed" or a Scheduler.
+    """
+
+    def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
+                 dtype: str = "bf16", max_num_seqs: int = 64, max_model_len: int | None = None,
+                 threads: int | None = None):
+        self.config = EngineConfig(target=target, dtype=dtype, max_num_seqs=max_num_seqs,
+                                   max_model_len=max_model_len, threads=threads)
+        if threads:
+            torch.set_num_threads(threads)
+        model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype)
+        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma=gamma),
+                                make_scheduler(scheduler, gamma=gamma), self.config)
+
+    def chat_prompt(self, messages: list[dict] | str) -> list[int]:
+        """Token ids of a conversation (or one user message) under the target's chat template."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not messages:
+            raise ValueError("empty message list")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 chat: bool = False, use_tqdm: bool = False, on_output=None) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or with chat=True a message list / user text).
+
+        Returns one finished RequestOutput per prompt, in order. A request that fails is returned with
+        finish_reason "error" and its message; the others are unaffected.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        inputs = [self.chat_prompt(p) if chat else p for p in prompts]
+        reqs = [self.engine.add_request(x, sp, on_output=on_output) for x, sp in zip(inputs, params)]
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+        while any(not r.finished for r in reqs):
+            for out in self.engine.step():
+                bar.update(out.finished)
+        bar.close()
+        return [r.output("") for r in reqs]

@@ -1,0 +1,217 @@
+"""The engine loop: continuous batching with speculative decoding, one step at a time.
+
+A step admits waiting requests (prefill), then runs the data path of DESIGN.md for every running
+request: draft -> plan -> verify -> accept -> commit -> emit.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from ..config import EngineConfig
+from ..draft.base import Drafter, NoDrafter, Proposal
+from ..sampling import SamplingParams, param_tensors, sample, warp
+from ..schedule.base import FixedLength, Scheduler
+from ..target.kv_cache import KVCache
+from ..target.model import FlatBatch, TargetModel
+from ..verify import rejection_sample
+from .emit import append_tokens
+from .request import Request, RequestOutput, Status
+from .stats import StepStats
+
+
+class LLMEngine:
+    def __init__(self, target: TargetModel, tokenizer, drafter: Drafter | None = None,
+                 scheduler: Scheduler | None = None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.target, self.tokenizer = target, tokenizer
+        self.drafter = drafter or NoDrafter()
+        self.scheduler = scheduler or FixedLength()
+        target.capture_layers = tuple(self.drafter.target_layer_ids)
+        tc = target.config
+        self.max_model_len = self.config.max_model_len or tc.max_position_embeddings
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self.cache = KVCache(tc.num_hidden_layers, tc.num_key_value_heads, head_dim, target.dtype, self.max_model_len)
+        self.eos_ids = self._eos_ids()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # running[i].slot == i
+        self.stats: deque[StepStats] = deque(maxlen=100_000)
+        self.max_prefill_tokens = 4096
+
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = getattr(self.target.config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return {i for i in ids if i is not None}
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, on_output=None) -> Request:
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} "
+                             f"tokens (at least one new token must fit)")
+        vocab = self.target.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(ids, params, on_output=on_output)
+        if request_id is not None:
+            req.request_id = request_id
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its KV slot and drafter state are freed at once."""
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return True
+        for req in self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                self._release([req])
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        st = StepStats()
+        t0 = time.perf_counter()
+        outputs = self._admit(st)
+        st.t_prefill = time.perf_counter() - t0
+        reqs = [r for r in self.running if not r.finished]
+        if reqs:
+            try:
+                outputs += self._decode(reqs, st)
+            except Exception as exc:  # a failed forward fails its requests; the engine keeps serving
+                outputs += self._fail(reqs, exc)
+            st.t_total = time.perf_counter() - t0
+            self.stats.append(st)
+        self._release([r for r in self.running if r.finished])
+        return outputs
+
+    def _decode(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
+        t = time.perf_counter()
+        proposal = self.drafter.propose(reqs)  # 1. draft
+        st.t_draft, t = time.perf_counter() - t, time.perf_counter()
+        lengths = self._room(reqs, self.scheduler.plan(proposal), proposal)  # 2. plan
+        st.t_plan, t = time.perf_counter() - t, time.perf_counter()
+        batch = self._verify_batch(reqs, proposal.tokens, lengths)
+        out = self.target(batch, self.cache)  # 3. verify
+        logits = self.target.logits(out.hidden)
+        st.t_verify, t = time.perf_counter() - t, time.perf_counter()
+        p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
+        G = proposal.tokens.shape[1]
+        u = torch.stack([r.uniforms(G + 1) for r in reqs])
+        verdict = rejection_sample(p, batch.starts, proposal.tokens, proposal.q, lengths, u[:, :G], u[:, G])  # 4.
+        accepted = verdict.num_accepted.tolist()
+        new_tokens = [proposal.tokens[i, :n].tolist() + [int(verdict.next_token[i])] for i, n in enumerate(accepted)]
+        self._commit(reqs, batch, out.features, [n + 1 for n in accepted])  # 5. commit
+        st.t_sample = time.perf_counter() - t
+        st.num_requests, st.verify_tokens = len(reqs), int(batch.tokens.numel())
+        st.drafted, st.verified, st.accepted = proposal.lengths.tolist(), lengths.tolist(), accepted
+        for req, n, v in zip(reqs, accepted, st.verified):
+            req.drafts_verified += v
+            req.drafts_accepted += n
+            req.steps += 1
+        return self._emit(reqs, new_tokens)  # 6. emit
+
+    # ---- pieces of the step ---------------------------------------------------------------------
+    def _admit(self, st: StepStats) -> list[RequestOutput]:
+        """Prefill waiting requests (up to max_num_seqs running and max_prefill_tokens) and sample
+        their first token."""
+        new: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            if new and len(self.waiting[0].prompt_ids) > budget:
+                break
+            req = self.waiting.popleft()
+            budget -= len(req.prompt_ids)
+            req.slot = self.cache.allocate()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            new.append(req)
+        if not new:
+            return []
+        lens = [len(r.prompt_ids) for r in new]
+        self.cache.reserve(len(self.running), max(lens) + 1)
+        batch = FlatBatch(torch.tensor([t for r in new for t in r.prompt_ids]),
+                          torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot)
+        try:
+            out = self.target(batch, self.cache)
+            last = batch.last_index
+            p = warp(self.target.logits(out.hidden[last]), *param_tensors([r.params for r in new]))
+            first = sample(p, torch.cat([r.uniforms(1) for r in new])).tolist()
+            self._commit(new, batch, out.features, lens)
+        except Exception as exc:  # the forward failed: these requests fail, the engine goes on
+            return self._fail(new, exc)
+        st.prefill_tokens = sum(lens)
+        return self._emit(new, [[t] for t in first], count_step=False)
+
+    def _room(self, reqs: list[Request], planned: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """Clamp ℓ_r to the drafts proposed, the context left and the tokens still wanted."""
+        room = torch.tensor([min(self.max_model_len - r.num_cached - 1,
+                                 r.params.max_tokens - len(r.output_ids)) - 1 for r in reqs])
+        return torch.minimum(torch.minimum(planned, proposal.lengths), room.clamp(min=0)).long()
+
+    def _verify_batch(self, reqs: list[Request], drafts: torch.Tensor, lengths: torch.Tensor) -> FlatBatch:
+        toks, pos = [], []
+        for req, row, n in zip(reqs, drafts.tolist(), lengths.tolist()):
+            toks += [req.last_token] + row[:n]
+            pos += range(req.num_cached, req.num_cached + 1 + n)
+        self.cache.reserve(len(self.running), max(pos) + 1)
+        return FlatBatch(torch.tensor(toks), torch.tensor(pos), (1 + lengths).tolist(), slot_start=reqs[0].slot)
+
+    def _commit(self, reqs: list[Request], batch: FlatBatch, features, committed: list[int]):
+        """Keep the first committed[r] positions of each request's forward; the rest roll back."""
+        starts = batch.starts.tolist()
+        for req, n in zip(reqs, committed):
+            req.num_cached += n
+        if features is not None:
+            self.drafter.commit(reqs, [features[s:s + n] for s, n in zip(starts, committed)])
+
+    def _emit(self, reqs: list[Request], new_tokens: list[list[int]], count_step: bool = True) -> list[RequestOutput]:
+        outputs = []
+        for req, tokens in zip(reqs, new_tokens):
+            try:
+                delta = append_tokens(req, tokens, self.tokenizer, self.eos_ids, self.max_model_len)
+                out = req.output(delta)
+                if req.on_output is not None and (delta or req.finished):
+                    req.on_output(out)
+            except Exception as exc:  # one request's failure never stops the others
+                out = self._fail([req], exc)[0]
+            outputs.append(out)
+        return outputs
+
+    def _fail(self, reqs: list[Request], exc: Exception) -> list[RequestOutput]:
+        outs = []
+        for req in reqs:
+            req.error = f"{type(exc).__name__}: {exc}"
+            self._finish(req, "error")
+            outs.append(req.output(""))
+        return outs
+
+    def _finish(self, req: Request, reason: str):
+        req.status, req.finish_reason = Status.FINISHED, reason
+
+    def _release(self, done: list[Request]):
+        """Free finished requests' KV slots (highest slot first, so moves never touch a pending one)."""
+        for req in sorted(done, key=lambda r: r.slot, reverse=True):
+            if req.slot < 0:
+                continue
+            moved = self.cache.free(req.slot, self.running[-1].num_cached)
+            if moved is not None:
+                self.running[req.slot] = self.running[moved]
+                self.running[req.slot].slot = req.slot
+            self.running.pop()
+            req.slot = -1
+            self.drafter.release(req)

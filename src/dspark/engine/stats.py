@@ -1,0 +1,31 @@
+"""Per-step statistics: what benchmarks need for τ and SPS(B)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    num_requests: int = 0  # R, requests in the verify forward
+    verify_tokens: int = 0  # B = Σ_r (1 + ℓ_r)
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per request
+    verified: list[int] = field(default_factory=list)  # ℓ_r
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per request
+    expected_tau: float | None = None  # the scheduler's prediction of Σ_r (1 + accepted), when it makes one
+    prefill_tokens: int = 0
+    t_prefill: float = 0.0  # seconds
+    t_draft: float = 0.0
+    t_plan: float = 0.0
+    t_verify: float = 0.0  # target forward + LM head
+    t_sample: float = 0.0  # warp + rejection sampling + commit
+    t_total: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this step committed by verification: Σ_r (accepted + 1)."""
+        return sum(self.accepted) + self.num_requests
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length of the step (accepted drafts + 1 per request)."""
+        return self.tokens / max(self.num_requests, 1)

@@ -1,0 +1,24 @@
+"""The Scheduler interface: choose how many drafts each request verifies this step (ℓ_r)."""
+from __future__ import annotations
+
+import torch
+
+from ..draft.base import Proposal
+
+
+class Scheduler:
+    def plan(self, proposal: Proposal) -> torch.Tensor:
+        """ℓ_r per request, 0 <= ℓ_r <= proposal.lengths[r]."""
+        raise NotImplementedError
+
+
+class FixedLength(Scheduler):
+    """Verify up to gamma drafts of every request (the usual speculative decoding)."""
+
+    def __init__(self, gamma: int | None = None):
+        if gamma is not None and gamma < 0:
+            raise ValueError(f"fixed length must be >= 0, got {gamma}")
+        self.gamma = gamma
+
+    def plan(self, proposal: Proposal) -> torch.Tensor:
+        return proposal.lengths if self.gamma is None else proposal.lengths.clamp(max=self.gamma)

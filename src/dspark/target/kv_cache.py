@@ -1,0 +1,76 @@
+"""Per-request KV caches in one preallocated tensor per layer: [slots, kv_heads, capacity, head_dim].
+
+Active requests occupy slots 0..n-1 with no holes (freeing a slot moves the last one into it), so a
+forward over requests in slot order reads a plain view of the cache. A request's committed length is
+kept by its owner: rolling back rejected positions is only a smaller length, because attention never
+reads past a query's own position and later writes overwrite the stale entries.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 max_len: int, slots: int = 4, capacity: int = 256):
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.max_len = max_len
+        self.num_used = 0
+        self.k = self.v = None
+        self._allocate(slots, min(capacity, max_len))
+
+    def _allocate(self, slots: int, capacity: int):
+        layers, heads, hd = self.shape
+        k = torch.zeros(layers, slots, heads, capacity, hd, dtype=self.dtype)
+        v = torch.zeros_like(k)
+        if self.k is not None:
+            s, c = self.k.shape[1], self.k.shape[3]
+            k[:, :s, :, :c] = self.k
+            v[:, :s, :, :c] = self.v
+        self.k, self.v = k, v
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, slots: int, length: int):
+        """Make room for `slots` slots of `length` positions (grows by doubling)."""
+        if length > self.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds the context of {self.max_len}")
+        cur_slots, cur_cap = self.k.shape[1], self.capacity
+        if slots <= cur_slots and length <= cur_cap:
+            return
+        new_slots = max(cur_slots, 1)
+        while new_slots < slots:
+            new_slots *= 2
+        new_cap = cur_cap
+        while new_cap < length:
+            new_cap = min(2 * new_cap, self.max_len)
+        self._allocate(new_slots, new_cap)
+
+    def allocate(self) -> int:
+        self.reserve(self.num_used + 1, 1)
+        self.num_used += 1
+        return self.num_used - 1
+
+    def free(self, slot: int, last_length: int) -> int | None:
+        """Free `slot`; the last slot (holding `last_length` positions) moves into it.
+
+        Returns the slot that moved (its owner must take `slot`), or None.
+        """
+        last = self.num_used - 1
+        self.num_used -= 1
+        if slot == last:
+            return None
+        self.k[:, slot, :, :last_length] = self.k[:, last, :, :last_length]
+        self.v[:, slot, :, :last_length] = self.v[:, last, :, :last_length]
+        return last
+
+    def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor):
+        """Store the batch's new keys/values ([T, KVH, hd]) and return the batch's [R, KVH, L, hd] views."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc[batch.slots, :, batch.positions] = k
+        vc[batch.slots, :, batch.positions] = v
+        s0, s1 = batch.slot_start, batch.slot_start + batch.num_requests
+        return kc[s0:s1, :, : batch.key_len], vc[s0:s1, :, : batch.key_len]

@@ -1,0 +1,234 @@
+"""The target model's forward over a flat batch of tokens from many requests (Llama and Qwen3 families).
+
+Linear layers run on the flat batch [T, d] (no padding). Attention reads each request's keys and values
+from the KV cache; request r's queries see keys at positions <= their own position, which covers both
+the committed prefix and the earlier tokens of the same forward (they are written to the cache first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class FlatBatch:
+    """One forward's input: request r contributes tokens[starts[r]:starts[r+1]] at its own positions.
+
+    The requests occupy the contiguous cache slots slot_start .. slot_start + R - 1, in order.
+    """
+
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    query_lens: list[int]  # [R]
+    slot_start: int = 0
+
+    def __post_init__(self):
+        lens = torch.tensor(self.query_lens, dtype=torch.long)
+        self.num_requests = len(self.query_lens)
+        self.request_of_token = torch.repeat_interleave(torch.arange(self.num_requests), lens)  # [T]
+        self.starts = torch.cumsum(lens, 0) - lens  # [R]
+        self.max_query_len = max(self.query_lens)
+        # padded [R, Qmax] view of the flat queries; padding rows point at token 0 and are never read back
+        offs = torch.arange(self.max_query_len)
+        self.query_valid = offs[None, :] < lens[:, None]
+        self.padded_index = torch.where(self.query_valid, self.starts[:, None] + offs[None, :], 0)
+        self.flat_index = self.query_valid.flatten().nonzero().squeeze(1)  # padded row -> flat order
+        self.slots = self.slot_start + self.request_of_token
+        self.key_len = int(self.positions.max()) + 1
+        padded_pos = torch.where(self.query_valid, self.positions[self.padded_index], 0)
+        # mask[r, 0, i, j]: query i of request r may read key position j
+        self.attn_mask = torch.arange(self.key_len)[None, None, None, :] <= padded_pos[:, None, :, None]
+        self.sparse_mask = None if bool(self.attn_mask.all()) else self.attn_mask
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """Flat index of each request's last token."""
+        return self.starts + torch.tensor(self.query_lens) - 1
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as transformers does, then scaled in the model dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for token positions; inverse frequencies from transformers' rope functions."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos [T, 1, hd] and the sign-folded sin, so that rotary(x) = x * cos + roll(x, hd/2) * sin."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin == roll(x, hd/2) * sign-folded sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def grouped_attention(q, keys, values, mask):
+    """Softmax attention of [R, H, Q, hd] queries over [R, KVH, L, hd] keys (H a multiple of KVH).
+
+    The H // KVH query heads sharing a KV head are one matmul; mask [R, 1, Q, L] or None (all visible).
+    """
+    R, H, Q, hd = q.shape
+    kvh = keys.shape[1]
+    qg = q.reshape(R, kvh, (H // kvh) * Q, hd)
+    scores = (qg @ keys.transpose(-1, -2)).float() * hd**-0.5  # [R, KVH, G*Q, L]
+    if mask is not None:
+        scores = scores.view(R, kvh, H // kvh, Q, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype).view(R, kvh, (H // kvh) * Q, -1)
+    return (probs @ values).view(R, H, Q, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False)
+        d = config.hidden_size
+        self.qkv_proj = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
+        T, H, KVH = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * KVH, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + KVH])), 1)
+        else:
+            qk = qkv[:, :H + KVH]
+        qk = apply_rotary(qk, cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
+        keys, values = cache.write(self.layer_idx, batch, k, v)  # [R, KVH, key_len, hd] views
+        R, Q = batch.num_requests, batch.max_query_len
+        qp = (q.view(R, 1, H, -1) if Q == 1 else q[batch.padded_index]).transpose(1, 2)  # [R, H, Q, hd]
+        if Q > 16:  # long prefill: the fused kernel wins
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)
+        elif R == 1:  # one request: tiny matmuls run faster in float32 than in bf16 on CPU
+            out = grouped_attention(qp.float(), keys.float(), values.float(), batch.sparse_mask).to(x.dtype)
+        else:  # decode and verify of many requests: one batched matmul over requests
+            out = grouped_attention(qp, keys, values, batch.sparse_mask)
+        out = out.transpose(1, 2).reshape(R * Q, -1)
+        if R * Q != T:
+            out = out[batch.flat_index]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, h = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(d, 2 * h, bias=bias)  # gate, up stacked
+        self.down_proj = nn.Linear(h, d, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [T, d] final-normed hidden states
+    features: torch.Tensor | None  # [T, m*d] outputs of the captured layers, concatenated
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' parameter names (without `model.`) -> ours: q/k/v and gate/up stacked."""
+    out = dict(state)
+    for name in state:
+        for fused, parts in FUSED.items():
+            module, _, kind = name.rpartition(".")
+            if module.endswith(parts[0]):
+                prefix = module[: -len(parts[0])]
+                out[f"{prefix}{fused}.{kind}"] = torch.cat([out.pop(f"{prefix}{p}.{kind}") for p in parts])
+    return out
+
+
+class TargetModel(nn.Module):
+    """A Llama/Qwen3 decoder; load weights with `fuse_projections` applied to transformers' names."""
+
+    def __init__(self, config):
+        super().__init__()
+        if config.model_type not in ("llama", "qwen3", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model family {config.model_type!r}: dspark runs Llama and Qwen3 targets")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+        self.capture_layers: tuple[int, ...] = ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
+        x = self.embed_tokens(batch.tokens)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, cache)
+            if i in self.capture_layers:
+                captured.append(x)
+        features = torch.cat(captured, dim=-1) if captured else None
+        return TargetOutput(self.norm(x), features)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head in the model dtype, returned as float32 [N, V]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,53 @@
+"""Lossless verification: chain rejection sampling over a ragged batch (METHOD.md §1).
+
+Request r verifies the first lengths[r] of its drafts (0 = plain decoding). Its target distributions
+sit in rows starts[r] .. starts[r] + lengths[r] of the flat p: row starts[r] + k is the target's
+distribution for draft k + 1 (after the committed prefix and drafts 1..k). Draft k + 1 is accepted with
+probability min(1, p(x)/q(x)); at the first rejection one token is drawn from norm(max(0, p - q));
+if every verified draft passes, the bonus token is drawn from p at the next row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample
+
+
+@dataclass
+class Verdict:
+    num_accepted: torch.Tensor  # [R] accepted drafts
+    next_token: torch.Tensor  # [R] correction or bonus token
+
+
+def rejection_sample(p: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
+                     lengths: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor) -> Verdict:
+    """p [T, V]; starts, lengths [R]; drafts [R, G]; q [R, G, V] or None for point-mass drafts;
+    u_accept [R, G] and u_sample [R] uniforms in [0, 1)."""
+    R, G = drafts.shape
+    if G == 0:
+        return Verdict(torch.zeros(R, dtype=torch.long), sample(p[starts], u_sample))
+    offs = torch.arange(G)
+    valid = offs[None, :] < lengths[:, None]
+    rows = (starts[:, None] + offs[None, :]).clamp(max=p.shape[0] - 1)
+    p_x = p[rows, drafts]  # [R, G]
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
+    accept = (u_accept * q_x < p_x) & valid  # u < p/q, without dividing
+    n = accept.long().cumprod(-1).sum(-1)  # accepted prefix length
+    p_next = p[starts + n]  # [R, V]
+    rejected = n < lengths
+    r_idx = rejected.nonzero().squeeze(1)
+    if len(r_idx):
+        at = n[r_idx].clamp(max=G - 1)
+        if q is None:
+            residual = p_next[r_idx].clone()
+            residual[torch.arange(len(r_idx)), drafts[r_idx, at]] = 0
+        else:
+            residual = (p_next[r_idx] - q[r_idx, at]).clamp(min=0)
+        # p == q up to rounding makes a rejection (almost) impossible; if it happens, p is the residual
+        empty = residual.sum(-1) <= 0
+        residual[empty] = p_next[r_idx[empty]]
+        p_next = p_next.clone()
+        p_next[r_idx] = residual
+    return Verdict(n, sample(p_next, u_sample))
