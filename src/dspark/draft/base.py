@@ -34,8 +34,9 @@ class Drafter:
     def commit(self, requests: list, features: list[torch.Tensor | None]) -> None:
         """Target features ([n_r, m*d]) of each request's newly committed positions."""
 
-    def release(self, request) -> None:
-        """Forget a finished or cancelled request."""
+    def release(self, request, moved_from: int | None = None) -> None:
+        """Forget a finished or cancelled request. Slots stay compact: if moved_from is given, the
+        request that held slot moved_from now holds request.slot (move its state along)."""
 
 
 class NoDrafter(Drafter):

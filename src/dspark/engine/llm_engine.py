@@ -209,9 +209,9 @@ class LLMEngine:
             if req.slot < 0:
                 continue
             moved = self.cache.free(req.slot, self.running[-1].num_cached)
+            self.drafter.release(req, moved)
             if moved is not None:
                 self.running[req.slot] = self.running[moved]
                 self.running[req.slot].slot = req.slot
             self.running.pop()
             req.slot = -1
-            self.drafter.release(req)

@@ -63,14 +63,20 @@ class KVCache:
         self.num_used -= 1
         if slot == last:
             return None
-        self.k[:, slot, :, :last_length] = self.k[:, last, :, :last_length]
-        self.v[:, slot, :, :last_length] = self.v[:, last, :, :last_length]
+        self.copy_slot(last, slot, last_length)
         return last
+
+    def copy_slot(self, src: int, dst: int, length: int):
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor):
         """Store the batch's new keys/values ([T, KVH, hd]) and return the batch's [R, KVH, L, hd] views."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc[batch.slots, :, batch.positions] = k
-        vc[batch.slots, :, batch.positions] = v
+        self.store(layer, batch.slots, batch.positions, k, v)
         s0, s1 = batch.slot_start, batch.slot_start + batch.num_requests
-        return kc[s0:s1, :, : batch.key_len], vc[s0:s1, :, : batch.key_len]
+        return self.k[layer, s0:s1, :, : batch.key_len], self.v[layer, s0:s1, :, : batch.key_len]
+
+    def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Keys/values [T, KVH, hd] of token t go to slot slots[t] at position positions[t]."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v

@@ -19,13 +19,16 @@ from .kv_cache import KVCache
 class FlatBatch:
     """One forward's input: request r contributes tokens[starts[r]:starts[r+1]] at its own positions.
 
-    The requests occupy the contiguous cache slots slot_start .. slot_start + R - 1, in order.
+    The requests occupy the contiguous cache slots slot_start .. slot_start + R - 1, in order. A query
+    reads the keys at positions <= visible (default: its own position, i.e. causal attention; a drafter
+    block sets it to the block's last position, so attention inside the block is bidirectional).
     """
 
     tokens: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     query_lens: list[int]  # [R]
     slot_start: int = 0
+    visible: torch.Tensor | None = None  # [T] long
 
     def __post_init__(self):
         lens = torch.tensor(self.query_lens, dtype=torch.long)
@@ -39,10 +42,11 @@ class FlatBatch:
         self.padded_index = torch.where(self.query_valid, self.starts[:, None] + offs[None, :], 0)
         self.flat_index = self.query_valid.flatten().nonzero().squeeze(1)  # padded row -> flat order
         self.slots = self.slot_start + self.request_of_token
-        self.key_len = int(self.positions.max()) + 1
-        padded_pos = torch.where(self.query_valid, self.positions[self.padded_index], 0)
+        visible = self.positions if self.visible is None else self.visible
+        self.key_len = int(visible.max()) + 1
+        padded_vis = torch.where(self.query_valid, visible[self.padded_index], 0)
         # mask[r, 0, i, j]: query i of request r may read key position j
-        self.attn_mask = torch.arange(self.key_len)[None, None, None, :] <= padded_pos[:, None, :, None]
+        self.attn_mask = torch.arange(self.key_len)[None, None, None, :] <= padded_vis[:, None, :, None]
         self.sparse_mask = None if bool(self.attn_mask.all()) else self.attn_mask
 
     @property
@@ -109,6 +113,23 @@ def grouped_attention(q, keys, values, mask):
     return (probs @ values).view(R, H, Q, hd)
 
 
+def cached_attention(layer: int, q, k, v, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
+    """Write the batch's keys/values ([T, KVH, hd]) to the cache, attend with queries [T, H, hd] over each
+    request's cached keys under the batch's mask, and return [T, H * hd]."""
+    T, H, _ = q.shape
+    keys, values = cache.write(layer, batch, k, v)  # [R, KVH, key_len, hd] views
+    R, Q = batch.num_requests, batch.max_query_len
+    qp = (q.view(R, 1, H, -1) if Q == 1 else q[batch.padded_index]).transpose(1, 2)  # [R, H, Q, hd]
+    if Q > 16:  # long prefill: the fused kernel wins
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)
+    elif R == 1:  # one request: tiny matmuls run faster in float32 than in bf16 on CPU
+        out = grouped_attention(qp.float(), keys.float(), values.float(), batch.sparse_mask).to(q.dtype)
+    else:  # decode and verify of many requests: one batched matmul over requests
+        out = grouped_attention(qp, keys, values, batch.sparse_mask)
+    out = out.transpose(1, 2).reshape(R * Q, -1)
+    return out if R * Q == T else out[batch.flat_index]
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -134,19 +155,7 @@ class Attention(nn.Module):
             qk = qkv[:, :H + KVH]
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
-        keys, values = cache.write(self.layer_idx, batch, k, v)  # [R, KVH, key_len, hd] views
-        R, Q = batch.num_requests, batch.max_query_len
-        qp = (q.view(R, 1, H, -1) if Q == 1 else q[batch.padded_index]).transpose(1, 2)  # [R, H, Q, hd]
-        if Q > 16:  # long prefill: the fused kernel wins
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=batch.attn_mask, enable_gqa=True)
-        elif R == 1:  # one request: tiny matmuls run faster in float32 than in bf16 on CPU
-            out = grouped_attention(qp.float(), keys.float(), values.float(), batch.sparse_mask).to(x.dtype)
-        else:  # decode and verify of many requests: one batched matmul over requests
-            out = grouped_attention(qp, keys, values, batch.sparse_mask)
-        out = out.transpose(1, 2).reshape(R * Q, -1)
-        if R * Q != T:
-            out = out[batch.flat_index]
-        return self.o_proj(out)
+        return self.o_proj(cached_attention(self.layer_idx, q, k, v, batch, cache))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,183 @@
+"""The DSpark drafter (METHOD.md §2): a parallel backbone that drafts a block in one forward, a cheap
+sequential head (Markov, gated Markov or RNN) and a confidence head. With markov_rank 0 it is DFlash.
+
+Parameter names follow the released layout (CHECKPOINT_FORMAT.md). The backbone's layers are Qwen3-style
+(per-head q/k norms) whatever the target family; context features enter every layer as extra keys and
+values: K = [W_K H_ctx; W_K H_d], V = [W_V H_ctx; W_V H_d], with H_ctx = RMSNorm(fc([H^(l_1); ...])).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..target.model import RMSNorm, Rotary, apply_rotary
+
+# attend(layer, q [T, H, hd], k [T, KVH, hd], v [T, KVH, hd]) -> [T, H * hd]: the block's attention over
+# context and block keys; inference reads the context from a KV cache, training from dense tensors.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def config_namespace(config: dict) -> SimpleNamespace:
+    ns = SimpleNamespace(**config)
+    ns.head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return ns
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        bias = getattr(c, "attention_bias", False)
+        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def project_kv(self, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [N, KVH, hd] of hidden states h [N, d]."""
+        k = self.k_norm(self.k_proj(h).view(h.shape[0], self.num_kv_heads, self.head_dim))
+        return apply_rotary(k, cos, sin), self.v_proj(h).view(h.shape[0], self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos, sin, attend: Attend) -> torch.Tensor:
+        q = apply_rotary(self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        return self.o_proj(attend(self.layer_idx, q, k, v))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c, layer_idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(c, layer_idx)
+        self.mlp = DraftMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attend: Attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """B(x_{k-1}, ·): vanilla W2 W1[x_{k-1}]; gated W2(σ(gate([h_k; W1[x]])) ⊙ W1[x]); or an RNN whose
+    state s_k carries the block's history (METHOD.md §2)."""
+
+    def __init__(self, c):
+        super().__init__()
+        r, d = c.markov_rank, c.hidden_size
+        self.kind = c.markov_head_type
+        if self.kind not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.kind!r}")
+        self.rank = r
+        self.markov_w1 = nn.Embedding(c.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(d + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def initial_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
+
+    def forward(self, prev: torch.Tensor, h: torch.Tensor, state):
+        """prev [N] tokens x_{k-1}, h [N, d] -> (bias [N, V], W1[x_{k-1}] [N, r], next state)."""
+        e = self.markov_w1(prev)
+        if self.kind == "vanilla":
+            return self.markov_w2(e), e, None
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1)))
+            return self.markov_w2(gate * e), e, None
+        g, cand, out = self.joint_proj(torch.cat([state, e, h], -1)).chunk(3, -1)
+        g = torch.sigmoid(g)
+        state = g * state + (1 - g) * torch.tanh(cand)
+        return self.markov_w2(torch.tanh(out)), e, state
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = σ(w^T [h_k; W1[x_{k-1}]]): survival of x_k given x_1..x_{k-1} survived; never reads x_k."""
+
+    def __init__(self, c, with_markov: bool):
+        super().__init__()
+        self.proj = nn.Linear(c.hidden_size + (c.markov_rank if with_markov else 0), 1)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        """Confidence logit [N]."""
+        return self.proj(h if e is None else torch.cat([h, e], -1)).squeeze(-1)
+
+
+class DSparkModel(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        c = self.c = config_namespace(config)
+        self.config = dict(config)
+        self.block_size, self.mask_token_id = c.block_size, c.mask_token_id
+        self.target_layer_ids = tuple(c.target_layer_ids)
+        d = c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, d)
+        self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
+        self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c) if c.markov_rank > 0 else None
+        self.confidence_head = (ConfidenceHead(c, c.confidence_head_with_markov and c.markov_rank > 0)
+                                if c.enable_confidence_head else None)
+        self.rotary = Rotary(SimpleNamespace(**{**config, "head_dim": c.head_dim}))
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """H_ctx [N, d] from the concatenated target features [N, m*d]."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def context_kv(self, h_ctx: torch.Tensor, positions: torch.Tensor):
+        """Per layer (keys, values) of the projected context at its positions."""
+        cos, sin = self.rotary(positions, h_ctx.dtype)
+        return [layer.self_attn.project_kv(h_ctx, cos, sin) for layer in self.layers]
+
+    def backbone(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Final-normed hidden states h [T, d] of block tokens (anchor and mask ids) at their positions."""
+        x = self.embed_tokens(tokens).to(self.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self.norm(x)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """U [.., V] in float32 (the frozen, shared LM head)."""
+        return self.lm_head(h).float()
+
+    def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):
+        """One sequential step: (Markov bias [N, V] or None, confidence logit [N] or None, next state)."""
+        bias, e = None, None
+        if self.markov_head is not None:
+            bias, e, state = self.markov_head(prev, h, state)
+        conf = self.confidence_head(h, e) if self.confidence_head is not None else None
+        return (None if bias is None else bias.float()), conf, state
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[N, γ] block tokens: the anchor then γ-1 mask ids."""
+        block = torch.full((anchors.shape[0], self.block_size), self.mask_token_id, dtype=torch.long)
+        block[:, 0] = anchors
+        return block
