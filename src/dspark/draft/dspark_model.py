@@ -139,7 +139,8 @@ class DSparkModel(nn.Module):
         self.markov_head = MarkovHead(c) if c.markov_rank > 0 else None
         self.confidence_head = (ConfidenceHead(c, c.confidence_head_with_markov and c.markov_rank > 0)
                                 if c.enable_confidence_head else None)
-        self.rotary = Rotary(SimpleNamespace(**{**config, "head_dim": c.head_dim}))
+        self.rotary_config = SimpleNamespace(**{**config, "head_dim": c.head_dim})
+        self.rotary = Rotary(self.rotary_config)
         self.embed_tokens.requires_grad_(False)
         self.lm_head.requires_grad_(False)
 
@@ -166,7 +167,7 @@ class DSparkModel(nn.Module):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U [.., V] in float32 (the frozen, shared LM head)."""
-        return self.lm_head(h).float()
+        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):
         """One sequential step: (Markov bias [N, V] or None, confidence logit [N] or None, next state)."""

@@ -1,0 +1,117 @@
+"""Drafter checkpoints in the released DeepSpec layout (CHECKPOINT_FORMAT.md): config.json (the target's
+config plus drafter fields) and model.safetensors. Ours carry only the trainable weights by default; the
+frozen embedding and LM head come from the target at load time (`export_frozen=True` writes them too, for
+engines that expect them). Extras (calibration, training state) live in separate files beside them."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .dspark_model import DSparkModel
+
+FROZEN = ("embed_tokens.weight", "lm_head.weight")
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced target layers from the second to the third-from-last (DFlash's choice)."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
+
+
+def draft_config(target_config: dict, *, num_layers: int = 1, block_size: int = 7, markov_rank: int = 64,
+                 markov_head_type: str = "vanilla", confidence: bool = True, num_features: int = 3,
+                 mask_token_id: int | None = None, num_anchors: int = 64, architecture: str = "Qwen3DSparkModel") -> dict:
+    """A drafter config.json: the target's config with the released drafter fields."""
+    cfg = {k: v for k, v in target_config.items() if k not in ("quantization_config", "_name_or_path")}
+    n_target = target_config["num_hidden_layers"]
+    cfg.update(architectures=[architecture], num_hidden_layers=num_layers, num_target_layers=n_target,
+               target_layer_ids=build_target_layer_ids(n_target, num_features), block_size=block_size,
+               mask_token_id=mask_token_id if mask_token_id is not None else default_mask_token(target_config),
+               num_anchors=num_anchors, markov_rank=markov_rank, markov_head_type=markov_head_type,
+               enable_confidence_head=confidence, confidence_head_with_markov=confidence and markov_rank > 0,
+               tie_word_embeddings=False, layer_types=["full_attention"] * num_layers)
+    cfg.setdefault("head_dim", target_config["hidden_size"] // target_config["num_attention_heads"])
+    return cfg
+
+
+def default_mask_token(target_config: dict) -> int:
+    """Qwen3's reserved mask id, else a rarely used special id (SmolLM2: 16, <empty_output>)."""
+    if target_config.get("vocab_size", 0) > 151669 and target_config.get("model_type") == "qwen3":
+        return 151669
+    return 16
+
+
+def _atomic_write(path: Path, write):
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_drafter(model: DSparkModel, folder: str | Path, *, export_frozen: bool = False,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors (each file atomically)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()
+             if export_frozen or k not in FROZEN}
+    config = dict(model.config, torch_dtype=str(dtype or model.dtype).removeprefix("torch."))
+    _atomic_write(folder / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
+    _atomic_write(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2)))
+    return folder
+
+
+def check_compatible(config: dict, target_config) -> None:
+    for field in ("vocab_size", "hidden_size"):
+        mine, theirs = config.get(field), getattr(target_config, field)
+        if mine != theirs:
+            raise ValueError(f"this drafter was trained for a different target: its {field} is {mine}, the "
+                             f"target's is {theirs}")
+    n = config.get("num_target_layers", target_config.num_hidden_layers)
+    if n != target_config.num_hidden_layers or max(config["target_layer_ids"]) >= target_config.num_hidden_layers:
+        raise ValueError(f"this drafter reads target layers {config['target_layer_ids']} of a {n}-layer target; "
+                         f"the target has {target_config.num_hidden_layers} layers")
+
+
+def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DSparkModel:
+    """Load a drafter folder; with a target (TargetModel), check it fits and share its embedding and LM head."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
+    config = json.loads((folder / "config.json").read_text())
+    missing = [k for k in ("target_layer_ids", "block_size", "mask_token_id") if k not in config]
+    if missing:
+        raise ValueError(f"{folder}/config.json is not a DSpark/DFlash drafter config (missing {missing})")
+    config.setdefault("markov_rank", 0)
+    config.setdefault("markov_head_type", "vanilla")
+    config.setdefault("enable_confidence_head", False)
+    config.setdefault("confidence_head_with_markov", False)
+    if target is not None:
+        check_compatible(config, target.config)
+    state = load_file(folder / "model.safetensors")
+    dtype = dtype or (target.dtype if target is not None else next(iter(state.values())).dtype)
+    with torch.device("meta"):
+        model = DSparkModel(config)
+    if target is not None:
+        state.update({"embed_tokens.weight": target.embed_tokens.weight, "lm_head.weight": target.lm_head.weight})
+    absent = [k for k in FROZEN if k not in state]
+    if absent:
+        raise ValueError(f"{folder} has no {absent}: pass the target to load the frozen weights from it")
+    model.load_state_dict({k: v if k in FROZEN and target is not None else v.to(dtype) for k, v in state.items()},
+                          strict=True, assign=True)
+    model.rotary = type(model.rotary)(model.rotary_config)
+    model.embed_tokens.requires_grad_(False)
+    model.lm_head.requires_grad_(False)
+    return model

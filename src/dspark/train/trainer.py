@@ -1,0 +1,255 @@
+"""`dspark train`: train a drafter against a frozen target on regenerated answers.
+
+Target features are computed online (the default) for each batch. AdamW with linear warm-up and cosine
+decay, gradient clipping, optional bf16 autocast. Every `save_every` steps the trainable weights, the
+optimizer and all random states go to one file, written atomically, so a killed run resumes exactly.
+With `torchrun --nproc-per-node N` each process takes its share of every global batch and gradients
+are averaged (gloo on CPU); the global batch and its anchors do not depend on the number of processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..draft.checkpoint import _atomic_write, draft_config, load_drafter, save_drafter
+from ..draft.dspark_model import DSparkModel
+from ..target.loading import load_target
+from ..target.model import TargetModel
+from .anchors import sample_anchors
+from .features import target_features
+from .forward import block_forward
+from .losses import dspark_loss
+
+
+@dataclass
+class TrainConfig:
+    data: str  # regenerated JSONL: {"id", "prompt_ids", "answer_ids", ...}
+    out: str  # drafter folder (config.json, model.safetensors, train_state.pt, train_log.jsonl)
+    target: str | None = None
+    target_dtype: str = "bf16"
+    num_layers: int = 1
+    block_size: int = 7
+    markov_rank: int = 64
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn; markov_rank 0 = DFlash
+    confidence: bool = True
+    num_anchors: int = 32
+    max_len: int = 512
+    batch_size: int = 4  # sequences per global step (split across processes)
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    autocast_bf16: bool = False
+    seed: int = 0
+    save_every: int = 50
+    eval_every: int = 100
+    eval_sequences: int = 16  # held out from the end of the data file
+    max_minutes: float | None = None  # stop (after saving) when this much wall time has passed
+    extra: dict = field(default_factory=dict)
+
+
+def stable_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 2
+
+
+def load_sequences(path: str, max_len: int) -> list[dict]:
+    recs = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                ids = (r["prompt_ids"] + r["answer_ids"])[:max_len]
+                recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1})
+    if not recs:
+        raise ValueError(f"no training records in {path}")
+    return recs
+
+
+def init_from_target(model: DSparkModel, target: TargetModel) -> None:
+    """Start the backbone from the target's last layers (same shapes), the sequential head at zero bias
+    and the confidence head at 0.5; this is what makes short CPU training runs useful."""
+    with torch.no_grad():
+        n = len(model.layers)
+        for mine, theirs in zip(model.layers, target.layers[-n:]):
+            H, KVH, hd = theirs.self_attn.num_heads, theirs.self_attn.num_kv_heads, theirs.self_attn.head_dim
+            q, k, v = theirs.self_attn.qkv_proj.weight.split([H * hd, KVH * hd, KVH * hd])
+            mine.self_attn.q_proj.weight.copy_(q)
+            mine.self_attn.k_proj.weight.copy_(k)
+            mine.self_attn.v_proj.weight.copy_(v)
+            mine.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
+            gate, up = theirs.mlp.gate_up_proj.weight.chunk(2)
+            mine.mlp.gate_proj.weight.copy_(gate)
+            mine.mlp.up_proj.weight.copy_(up)
+            mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
+            mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
+            mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+        model.norm.weight.copy_(target.norm.weight)
+        if model.markov_head is not None:
+            torch.nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
+            torch.nn.init.zeros_(model.markov_head.markov_w2.weight)
+        if model.confidence_head is not None:
+            torch.nn.init.zeros_(model.confidence_head.proj.weight)
+            torch.nn.init.zeros_(model.confidence_head.proj.bias)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {self.world} processes")
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target_dtype]
+        self.target, _, _ = load_target(cfg.target, dtype)
+        self.out = Path(cfg.out)
+        self.records = load_sequences(cfg.data, cfg.max_len)
+        n_eval = min(cfg.eval_sequences, len(self.records) // 10)
+        self.train_recs, self.eval_recs = self.records[: len(self.records) - n_eval], self.records[len(self.records) - n_eval:]
+        self.state_path = self.out / "train_state.pt"
+        if self.state_path.is_file():
+            self.model = load_drafter(self.out, self.target, dtype=torch.float32)
+        else:
+            torch.manual_seed(cfg.seed)
+            self.model = DSparkModel(draft_config(
+                self.target.config.to_dict(), num_layers=cfg.num_layers, block_size=cfg.block_size,
+                markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type, confidence=cfg.confidence,
+                num_anchors=cfg.num_anchors))
+            init_from_target(self.model, self.target)
+            self.model.float()
+            # the frozen embedding and LM head are the target's own tensors, never copies
+            self.model.embed_tokens.weight, self.model.lm_head.weight = (
+                self.target.embed_tokens.weight, self.target.lm_head.weight)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.step = 0
+        if self.state_path.is_file():
+            self._resume()
+
+    # ---- schedule and data order ----------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        frac = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    def batch_records(self, step: int) -> list[dict]:
+        """The global batch of a step: a seeded permutation per epoch, so order survives a restart."""
+        n, bs = len(self.train_recs), self.cfg.batch_size
+        out = []
+        for i in range(step * bs, (step + 1) * bs):
+            epoch, pos = divmod(i, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch))
+            out.append(self.train_recs[int(perm[pos])])
+        return out
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def losses(self, recs: list[dict], step: int):
+        ids = [r["ids"] for r in recs]
+        feats = target_features(self.target, ids, self.model.target_layer_ids)
+        L = max(feats.lengths)
+        tokens = torch.zeros(len(ids), L, dtype=torch.long)
+        for i, s in enumerate(ids):
+            tokens[i, :len(s)] = torch.tensor(s)
+        # anchors depend on the step and the record, not on the process that draws them
+        gens = [torch.Generator().manual_seed(stable_seed(self.cfg.seed, step, r["id"])) for r in recs]
+        anchors = sample_anchors(feats.lengths, [r["start"] for r in recs], self.cfg.num_anchors,
+                                 self.model.block_size, gens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+            out = block_forward(self.model, self.target, tokens, feats, anchors)
+        return dspark_loss(out.logits, out.p, out.labels, out.conf_logits, out.valid)
+
+    def train_step(self) -> dict:
+        recs = self.batch_records(self.step)
+        share = len(recs) // self.world
+        parts = self.losses(recs[self.rank * share:(self.rank + 1) * share], self.step)
+        self.opt.zero_grad(set_to_none=True)
+        parts.total.backward()
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= self.world
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.opt.step()
+        self.step += 1
+        return {"step": self.step, "loss": parts.total.item(), "ce": parts.ce.item(), "tv": parts.tv.item(),
+                "conf": parts.conf.item(), "tau_est": parts.tau.item(), "grad_norm": float(gnorm),
+                "lr": self.lr_at(self.step - 1)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out expected acceptance length (1 + Σ_k Π_{i<=k} c*_i) and per-position acceptance."""
+        if not self.eval_recs:
+            return {}
+        taus, accepts = [], []
+        for i in range(0, len(self.eval_recs), 4):
+            parts = self.losses(self.eval_recs[i:i + 4], -1 - i)
+            taus.append(parts.tau.item())
+            accepts.append(parts.accept)
+        return {"eval_tau_est": sum(taus) / len(taus),
+                "eval_accept": [round(x, 4) for x in torch.stack(accepts).mean(0).tolist()]}
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def save(self):
+        if self.rank != 0:
+            return
+        save_drafter(self.model, self.out)
+        state = {"step": self.step, "opt": self.opt.state_dict(), "config": asdict(self.cfg),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        _atomic_write(self.state_path, lambda p: torch.save(state, p))
+
+    def _resume(self):
+        state = torch.load(self.state_path, weights_only=False)
+        self.step = state["step"]
+        self.opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def log(self, row: dict):
+        if self.rank == 0:
+            with open(self.out / "train_log.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def fit(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        start, row = time.time(), {}
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc="train", disable=self.rank != 0)
+        while self.step < self.cfg.steps:
+            row = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tv=f"{row['tv']:.3f}", tau=f"{row['tau_est']:.2f}")
+            if self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps:
+                row.update(self.evaluate())
+            self.log(row)
+            timeout = self.cfg.max_minutes is not None and time.time() - start > 60 * self.cfg.max_minutes
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or timeout:
+                self.save()
+            if timeout:
+                break
+        bar.close()
+        return row
+
+
+def main_train(cfg: TrainConfig) -> dict:
+    torch_dist = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if torch_dist and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        return Trainer(cfg).fit()
+    finally:
+        if torch_dist and dist.is_initialized():
+            dist.destroy_process_group()
