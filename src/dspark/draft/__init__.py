@@ -1,18 +1,26 @@
+from pathlib import Path
+
 from .base import Drafter, NoDrafter, Proposal
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTERS = ("none", "prompt-lookup")
+DRAFTERS = ("none", "prompt-lookup", "<path to a DSpark/DFlash drafter folder>")
 
 
-def make_drafter(spec, gamma: int = 7) -> Drafter:
-    """A Drafter from a name ("none", "prompt-lookup") or an instance."""
+def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
+    """A Drafter from a name ("none", "prompt-lookup"), a drafter folder (config.json + model.safetensors,
+    loaded against `target`) or an instance."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
-    raise ValueError(f"unknown drafter {spec!r}; choose one of {', '.join(DRAFTERS)}")
+    if Path(spec).expanduser().is_dir():
+        from .checkpoint import load_drafter
+        from .dspark import DSparkDrafter
+
+        return DSparkDrafter(load_drafter(Path(spec).expanduser(), target), max_model_len)
+    raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup or a drafter folder")
 
 
 __all__ = ["DRAFTERS", "Drafter", "NoDrafter", "Proposal", "PromptLookupDrafter", "make_drafter"]

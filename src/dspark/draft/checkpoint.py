@@ -109,8 +109,10 @@ def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = No
     absent = [k for k in FROZEN if k not in state]
     if absent:
         raise ValueError(f"{folder} has no {absent}: pass the target to load the frozen weights from it")
-    model.load_state_dict({k: v if k in FROZEN and target is not None else v.to(dtype) for k, v in state.items()},
-                          strict=True, assign=True)
+    # copy=True: safetensors hands out views at unaligned offsets of one buffer, on which CPU matmuls take
+    # other kernels and round differently; fresh tensors make a loaded drafter compute bit-identically
+    model.load_state_dict({k: v if k in FROZEN and target is not None else v.to(dtype, copy=True)
+                           for k, v in state.items()}, strict=True, assign=True)
     model.rotary = type(model.rotary)(model.rotary_config)
     model.embed_tokens.requires_grad_(False)
     model.lm_head.requires_grad_(False)

@@ -17,7 +17,7 @@ class LLM:
     """Load a target (and a drafter), then generate for many prompts with continuous batching.
 
     target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
-    in the local cache. drafter: "none", "prompt-lookup" or a Drafter. scheduler: "fixed" or a Scheduler.
+    in the local cache. drafter: "none", "prompt-lookup", a DSpark/DFlash drafter folder or a Drafter. scheduler: "fixed" or a Scheduler.
     """
 
     def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
@@ -28,7 +28,8 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype)
-        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma=gamma),
+        max_len = max_model_len or model.config.max_position_embeddings
+        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len),
                                 make_scheduler(scheduler, gamma=gamma), self.config)
 
     def chat_prompt(self, messages: list[dict] | str) -> list[int]:
@@ -53,7 +54,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         inputs = [self.chat_prompt(p) if chat else p for p in prompts]
-        reqs = [self.engine.add_request(x, sp, on_output=on_output) for x, sp in zip(inputs, params)]
+        reqs = []
+        try:
+            for x, sp in zip(inputs, params):
+                reqs.append(self.engine.add_request(x, sp, on_output=on_output))
+        except Exception:  # a bad prompt: queue none of this call's requests
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         while any(not r.finished for r in reqs):
             for out in self.engine.step():

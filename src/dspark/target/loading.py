@@ -119,7 +119,7 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16):
         state["lm_head.weight"] = state["embed_tokens.weight"]
     with torch.device("meta"):
         model = TargetModel(config)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    model.load_state_dict({k: v.to(dtype, copy=True) for k, v in state.items()}, strict=True, assign=True)  # aligned copies
     model.rotary = type(model.rotary)(config)  # buffers are not in the checkpoint
     model.eval().requires_grad_(False)
     return model, tokenizer, folder

@@ -18,6 +18,7 @@ class LossParts:
     conf: torch.Tensor
     accept: torch.Tensor  # [γ] mean c*_k = 1 - ½‖q_k - p_k‖₁ (expected acceptance per position)
     tau: torch.Tensor  # expected acceptance length 1 + Σ_k Π_{i<=k} c*_i, averaged over blocks
+    blocks: torch.Tensor  # number of valid blocks the averages are over
 
 
 def position_weights(gamma: int) -> torch.Tensor:
@@ -43,4 +44,4 @@ def dspark_loss(logits: torch.Tensor, p: torch.Tensor, labels: torch.Tensor, con
     total = LOSS_WEIGHTS["ce"] * ce_l + LOSS_WEIGHTS["tv"] * tv_l + LOSS_WEIGHTS["conf"] * conf_l
     accept = (c_star * valid[:, None]).sum(0) / n
     tau = ((1 + c_star.cumprod(-1).sum(-1)) * valid).sum() / n
-    return LossParts(total, ce_l, tv_l, conf_l, accept, tau)
+    return LossParts(total, ce_l, tv_l, conf_l, accept, tau, valid.sum())

@@ -24,9 +24,10 @@ normalised (NFKC, plain quotes, lower case, whitespace collapsed); a training pr
 normalised text equals an evaluation turn, or (from MIN_CONTAINED characters on) occurs inside one — so
 a GSM8K question is dropped when an evaluation prompt contains it. `PromptPools.dropped` counts drops.
 
-`build_prompts(n, seed)` draws round(weight * n) prompts per domain (largest remainders) from each
+`build_prompts(n, seed)` draws about weight * n prompts per domain (`quotas`) from the front of each
 domain's pool, shuffled by a generator seeded with (seed, domain), then shuffles the whole list: the
-same (n, seed, data) gives the same list. A domain whose pool is smaller than its share gives all it
+same (n, seed, data) gives the same list, and the list for a larger n holds the one for a smaller n, so
+a regeneration can be extended by rerunning it with a larger n. A domain whose pool is smaller than its share gives all it
 has and the list comes out shorter (logged): the code pool limits n to about len(code pool) / 0.389.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ _LANGUAGES = (r"python|javascript|typescript|java|c\+\+|c\#|golang|php|kotlin|sc
               r"|tensorflow|matlab|vba|regex|jquery|dockerfile|terraform|solidity|arduino|c\s+program")
 CODE_PATTERN = re.compile(
     r"```|\bdef\s+\w+\s*\(|\bfunction\s+\w+\s*\(|\#include\b|\bconsole\.log\b|^\s*import\s+[\w.]+"
-    r"|\bpublic\s+(?:static\s+)?(?:void|class)\b"
+    r"|\bpublic\s+(?:static\s+)?(?:void|class)\b|\b(?:r|shell|apps|lua|vb)\s+(?:script|code|program)\b"
     rf"|\b(?:{_LANGUAGES})\b"
     r"|\b(?:write|create|generate|give\s+me|implement|fix|debug|refactor|optimi[sz]e|explain)\s+(?:me\s+)?"
     r"(?:a|an|the|this|some|my)?\s*(?:\w+\s+)?(?:code|program|function|method|class|query|algorithm|api)\b"
@@ -193,13 +194,12 @@ def _load_pools(data_dir: str, sharegpt_path: str | None) -> PromptPools:
 
 
 def quotas(n: int, mix: dict[str, float]) -> dict[str, int]:
-    """Split n by the weights of mix, rounding by largest remainders (ties: mix order)."""
+    """Split n by the weights of mix: slot k goes to the domain furthest below its share of k (ties: mix
+    order). Each share stays within one of n * weight, and grows with n, so a longer list extends a shorter one."""
     total = sum(mix.values())
-    exact = {d: n * w / total for d, w in mix.items()}
-    share = {d: int(x) for d, x in exact.items()}
-    by_remainder = sorted(mix, key=lambda d: share[d] - exact[d])  # stable: ties keep mix order
-    for d in by_remainder[:n - sum(share.values())]:
-        share[d] += 1
+    share = dict.fromkeys(mix, 0)
+    for k in range(1, n + 1):
+        share[max(mix, key=lambda d: k * mix[d] / total - share[d])] += 1
     return share
 
 

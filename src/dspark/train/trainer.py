@@ -174,7 +174,13 @@ class Trainer:
         share = len(recs) // self.world
         parts = self.losses(recs[self.rank * share:(self.rank + 1) * share], self.step)
         self.opt.zero_grad(set_to_none=True)
-        parts.total.backward()
+        loss = parts.total
+        if self.world > 1:  # each process averaged over its own blocks: reweight to the global average
+            blocks = parts.blocks.float()
+            total = blocks.clone()
+            dist.all_reduce(total)
+            loss = loss * (blocks * self.world / total.clamp(min=1))
+        loss.backward()
         if self.world > 1:
             for p in self.params:
                 if p.grad is None:

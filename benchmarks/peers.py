@@ -1,0 +1,106 @@
+"""The systems a benchmark compares, behind one call: generate exactly n greedy tokens for a batch of prompt
+token ids and return the new ids. dspark (LLM), transformers `generate` (left-padded batches, optional
+prompt lookup) and llama.cpp (llama-cpp-python, batch 1, optional)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark import SamplingParams
+
+
+def check_lengths(system: str, outputs: list[list[int]], n: int) -> list[list[int]]:
+    """Every peer must produce exactly n tokens per prompt, or the tokens/s are not comparable."""
+    bad = [len(o) for o in outputs if len(o) != n]
+    if bad:
+        raise RuntimeError(f"{system} produced {bad[:4]} tokens instead of {n}")
+    return outputs
+
+
+class DsparkPeer:
+    """dspark's offline API; greedy with ignore_eos so that every request makes exactly n tokens.
+
+    history keeps every RequestOutput (for acceptance figures); clear it when you like.
+    """
+
+    def __init__(self, llm, name: str):
+        self.llm, self.name = llm, name
+        self.history = []
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        errors = [o.error for o in outs if o.finish_reason == "error"]
+        if errors:
+            raise RuntimeError(f"{self.name} failed: {errors[0]}")
+        self.history += outs
+        return check_lengths(self.name, [o.token_ids for o in outs], n)
+
+
+def load_transformers(folder: str | Path, dtype: torch.dtype):
+    """(model, tokenizer) from a Hugging Face folder, the tokenizer padding on the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+class TransformersPeer:
+    """transformers `generate`, greedy, min_new_tokens = max_new_tokens; batches padded on the left.
+
+    generate_kwargs are passed through, e.g. prompt_lookup_num_tokens for prompt lookup (batch 1 only).
+    """
+
+    def __init__(self, model, tokenizer, name: str = "transformers generate", **generate_kwargs):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.generate_kwargs = generate_kwargs
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        enc = self.tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+        out = self.model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                  max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=self.tokenizer.pad_token_id, **self.generate_kwargs)
+        return check_lengths(self.name, out[:, enc["input_ids"].shape[1]:].tolist(), n)
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCppPeer:
+    """llama.cpp on a GGUF through llama-cpp-python, greedy, batch 1, past the end-of-sequence token.
+
+    The prompt is given as token ids (the same vocabulary: dspark's bundled target is this GGUF converted).
+    """
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: str | Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.gguf = Path(gguf)
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         n_batch=512, seed=0, verbose=False)
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        outputs = []
+        for ids in prompts:
+            self.llm.reset()  # no reuse of the previous prompt's cached prefix
+            tokens = []
+            for token in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                tokens.append(int(token))
+                if len(tokens) == n:
+                    break
+            outputs.append(tokens)
+        return check_lengths(self.name, outputs, n)

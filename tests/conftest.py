@@ -1,0 +1,98 @@
+"""Shared fixtures: benchmark prompts, the bundled SmolLM2 target (loaded once per session) and engines
+built on it, and reference greedy outputs.
+
+Sections: data | targets and engines | reference outputs. Fixtures for other test families go in their
+own section below.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark import LLM, SamplingParams
+from dspark.draft import make_drafter
+from dspark.engine.llm_engine import LLMEngine
+from dspark.schedule import make_scheduler
+
+torch.set_num_threads(2)
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("DSPARK_DATA", REPO.parent / "shared" / "data"))
+
+NEW_TOKENS = 48  # greedy continuation length of the reference outputs
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def first_turns(name: str, n: int) -> list[str]:
+    """The first user message of the first n rows of eval_<name>.jsonl."""
+    path = DATA_DIR / f"eval_{name}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"benchmark prompts not found at {path} (set DSPARK_DATA)")
+    with path.open() as f:
+        return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
+
+
+@pytest.fixture(scope="session")
+def chat_prompts() -> list[str]:
+    """Four real prompts of different kinds: math, code and chat."""
+    return first_turns("gsm8k", 2) + first_turns("humaneval", 1) + first_turns("mt-bench", 1)
+
+
+# ---- targets and engines ------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def base_llm_fp32() -> LLM:
+    """The bundled SmolLM2 target in float32, plain decoding; share its weights via `make_llm`."""
+    return LLM(dtype="fp32", max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32(base_llm_fp32):
+    """(TargetModel, tokenizer, folder) of the bundled target in float32."""
+    return base_llm_fp32.engine.target, base_llm_fp32.tokenizer, base_llm_fp32.target_path
+
+
+@pytest.fixture(scope="session")
+def make_llm(base_llm_fp32):
+    """make_llm(drafter="none", scheduler="fixed", gamma=7, **config) -> a fresh LLM (own engine, cache and
+    queues) on the shared float32 SmolLM2 weights; config fields: max_num_seqs, max_model_len."""
+
+    def make(drafter="none", scheduler="fixed", gamma: int = 7, **config) -> LLM:
+        llm = copy.copy(base_llm_fp32)
+        llm.config = dataclasses.replace(base_llm_fp32.config, **config)
+        llm.engine = LLMEngine(base_llm_fp32.engine.target, llm.tokenizer, make_drafter(drafter, gamma=gamma),
+                               make_scheduler(scheduler, gamma=gamma), llm.config)
+        return llm
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm_bf16() -> LLM:
+    """The bundled target in bfloat16 (the default dtype) with prompt lookup, as the CLI runs it."""
+    return LLM(dtype="bf16", drafter="prompt-lookup", max_num_seqs=8)
+
+
+# ---- reference outputs --------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def greedy() -> SamplingParams:
+    """Greedy decoding of NEW_TOKENS at most: the settings of the reference outputs."""
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def chat_ids(base_llm_fp32, chat_prompts) -> list[list[int]]:
+    """Token ids of chat_prompts under the chat template."""
+    return [base_llm_fp32.chat_prompt(p) for p in chat_prompts]
+
+
+@pytest.fixture(scope="session")
+def solo_greedy(make_llm, chat_ids, greedy) -> list[list[int]]:
+    """Greedy fp32 output ids of each chat prompt decoded alone, without drafts."""
+    llm = make_llm()
+    return [llm.generate(ids, greedy)[0].token_ids for ids in chat_ids]

@@ -1,0 +1,136 @@
+"""The target's exact distribution over the first few tokens after a prompt, as a tree of next-token
+distributions, and a drafter that samples from a different distribution built from the same tree.
+
+`TargetTree` runs the target once per likely prefix (prompt + up to depth - 1 tokens) and keeps, per
+prefix, its TOP tokens of largest logit with their probabilities under the request's sampling settings
+(warp, exactly what plain decoding samples from). Its cells partition all token sequences of length depth:
+a sequence falls into the leaf of its longest expanded prefix, or into that prefix's "rest" cell.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.draft.base import Drafter, Proposal
+from dspark.sampling import SamplingParams, param_tensors, sample, warp
+from dspark.target.kv_cache import KVCache
+from dspark.target.model import FlatBatch
+
+TOP = 512  # tokens kept per prefix; the rest of its mass is one cell
+REST = -1  # the token of a prefix's "rest" cell
+CHUNK = 256  # prefixes per target forward
+
+
+@dataclass
+class Node:
+    tokens: torch.Tensor  # [TOP] the prefix's tokens of largest logit
+    logits: torch.Tensor  # [TOP] their raw logits (float32)
+    probs: np.ndarray  # [TOP] their target probabilities under the sampling settings (float64)
+
+    def __post_init__(self):
+        self.members = set(self.tokens.tolist())
+
+    @property
+    def rest(self) -> float:
+        return max(0.0, 1.0 - float(self.probs.sum()))
+
+
+def next_token_logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    """Logits [n, V] after each sequence, each run from scratch in its own cache slot."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    out = []
+    for i in range(0, len(sequences), CHUNK):
+        chunk = sequences[i:i + CHUNK]
+        lens = [len(s) for s in chunk]
+        cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, max(lens))
+        for _ in chunk:
+            cache.allocate()
+        batch = FlatBatch(torch.tensor([t for s in chunk for t in s]), torch.cat([torch.arange(n) for n in lens]), lens)
+        out.append(model.logits(model(batch, cache).hidden[batch.last_index]))
+    return torch.cat(out)
+
+
+class TargetTree:
+    def __init__(self, model, prompt_ids: list[int], params: SamplingParams, samples: int, depth: int = 3,
+                 min_expected: float = 5.0):
+        """Expand every prefix shorter than depth whose expected count in `samples` draws reaches
+        min_expected."""
+        self.params, self.depth = params, depth
+        self.nodes: dict[tuple[int, ...], Node] = {}
+        level, mass = [()], [1.0]
+        while level:
+            logits = next_token_logits(model, [prompt_ids + list(prefix) for prefix in level])
+            probs = warp(logits, *param_tensors([params] * len(level)))
+            top_logits, top_tokens = logits.topk(TOP, dim=-1)
+            next_level, next_mass = [], []
+            for i, prefix in enumerate(level):
+                node_probs = probs[i, top_tokens[i]].double().numpy()
+                self.nodes[prefix] = Node(top_tokens[i], top_logits[i], node_probs)
+                if len(prefix) + 1 < depth:
+                    for t, p in zip(top_tokens[i].tolist(), node_probs):
+                        if samples * mass[i] * p >= min_expected:
+                            next_level.append(prefix + (t,))
+                            next_mass.append(mass[i] * p)
+            level, mass = next_level, next_mass
+
+    def cells(self) -> tuple[list[tuple[int, ...]], np.ndarray]:
+        """All cells and their exact probabilities (summing to 1)."""
+        keys, probs = [], []
+
+        def visit(prefix, mass):
+            node = self.nodes[prefix]
+            for t, p in zip(node.tokens.tolist(), node.probs):
+                if prefix + (t,) in self.nodes:
+                    visit(prefix + (t,), mass * p)
+                else:
+                    keys.append(prefix + (t,))
+                    probs.append(mass * p)
+            keys.append(prefix + (REST,))
+            probs.append(mass * node.rest)
+
+        visit((), 1.0)
+        probs = np.array(probs)
+        return keys, probs / probs.sum()
+
+    def cell_of(self, tokens: list[int]) -> tuple[int, ...]:
+        """The cell of a sequence of `depth` tokens."""
+        prefix = ()
+        for t in tokens:
+            if t not in self.nodes[prefix].members:
+                return prefix + (REST,)
+            if prefix + (t,) not in self.nodes:
+                return prefix + (t,)
+            prefix += (t,)
+        raise ValueError(f"{tokens} is shorter than the tree's depth {self.depth}")
+
+
+class TreeDrafter(Drafter):
+    """One draft per request from q = warp(the target's TOP logits after the context, `temperature`,
+    the request's top-p and top-k): a real distribution unlike p (zero outside the TOP tokens, other
+    temperature), sampled with the request's generator. Contexts the tree lacks get no draft."""
+
+    gamma = 1
+
+    def __init__(self, tree: TargetTree, vocab_size: int, temperature: float):
+        self.tree, self.vocab_size, self.temperature = tree, vocab_size, temperature
+
+    def propose(self, requests: list) -> Proposal:
+        R = len(requests)
+        tokens = torch.zeros(R, 1, dtype=torch.long)
+        q = torch.zeros(R, 1, self.vocab_size)
+        lengths = torch.zeros(R, dtype=torch.long)
+        rows = [i for i, r in enumerate(requests) if tuple(r.output_ids) in self.tree.nodes]
+        if rows:
+            nodes = [self.tree.nodes[tuple(requests[i].output_ids)] for i in rows]
+            params = [SamplingParams(self.temperature, requests[i].params.top_p, requests[i].params.top_k) for i in rows]
+            q_top = warp(torch.stack([n.logits for n in nodes]), *param_tensors(params))
+            picks = sample(q_top, torch.cat([requests[i].uniforms(1) for i in rows]))
+            idx = torch.tensor(rows)
+            top_tokens = torch.stack([n.tokens for n in nodes])
+            q[idx, 0] = q.new_zeros(len(rows), self.vocab_size).scatter(-1, top_tokens, q_top)
+            tokens[idx, 0] = top_tokens.gather(-1, picks[:, None]).squeeze(1)
+            lengths[idx] = 1
+        return Proposal(tokens, q, lengths)

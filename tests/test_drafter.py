@@ -1,0 +1,357 @@
+"""The DSpark drafter (METHOD.md §2) on a tiny random target: inference agrees with the teacher-forced
+training forward, q is exactly softmax(U + Markov bias) and the drafts are sampled from it, the confidence
+head never reads x_k, checkpoints follow the released layout (CHECKPOINT_FORMAT.md) and round-trip
+bit-exactly, and the drafter runs losslessly inside the engine.
+
+Sections: helpers | training vs inference | sequential heads | confidence | checkpoints | engine.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from stats_utils import g_test
+from tiny_models import (BLOCK, FIRST_TOKEN, HEAD_KINDS, HIDDEN, RANK, VOCAB, meta_target, one_thread,
+                         random_tokens, tiny_drafter, tiny_target, tiny_target_dir)
+
+from dspark import LLM, SamplingParams
+from dspark.draft.checkpoint import load_drafter, save_drafter
+from dspark.draft.dspark import DSparkDrafter
+from dspark.engine.request import Request
+from dspark.sampling import param_tensors, warp
+from dspark.train.anchors import AnchorBatch
+from dspark.train.features import target_features
+from dspark.train.forward import block_forward
+
+__all__ = ["one_thread", "tiny_target", "tiny_target_dir"]  # fixtures used here
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def sequence(n: int, seed: int) -> list[int]:
+    return random_tokens(n, torch.Generator().manual_seed(seed))
+
+
+def other_token(token: int) -> int:
+    """A different ordinary token."""
+    return (token + 1 - FIRST_TOKEN) % (VOCAB - FIRST_TOKEN) + FIRST_TOKEN
+
+
+def one_anchor(a: int, block_size: int = BLOCK) -> AnchorBatch:
+    return AnchorBatch(torch.tensor([[a]]), torch.tensor([[True]]), block_size)
+
+
+def train_block(model, target, seq: list[int], a: int, feats=None):
+    """(q [γ, V], confidence [γ]) of the block at anchor a, teacher-forced on seq."""
+    feats = feats or target_features(target, [seq], model.target_layer_ids)
+    out = block_forward(model, target, torch.tensor([seq]), feats, one_anchor(a, model.block_size))
+    conf = torch.sigmoid(out.conf_logits[0]) if out.conf_logits is not None else None
+    return out.logits[0].softmax(-1), conf
+
+
+def committed_request(drafter: DSparkDrafter, slot: int, features: torch.Tensor, anchor_token: int,
+                      params: SamplingParams, chunks: int = 1) -> Request:
+    """A request in `slot` whose committed context features are given (in `chunks` commits, as an
+    engine commits prompt and accepted tokens) and whose newest token is anchor_token."""
+    req = Request([anchor_token], params)
+    req.slot, req.output_ids = slot, [anchor_token]
+    for part in features.tensor_split(chunks):
+        drafter.commit([req], [part])
+    return req
+
+
+def manual_bias(head, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
+    """METHOD.md §2 written out with the raw weights: (B(x_{k-1}, ·) [N, V], next RNN state)."""
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
+    e = w1[prev]
+    if head.kind == "vanilla":
+        return e @ w2.T, None
+    if head.kind == "gated":
+        gate = torch.sigmoid(torch.cat([h, e], -1) @ head.gate_proj.weight.T + head.gate_proj.bias)
+        return (gate * e) @ w2.T, None
+    z = torch.cat([state, e, h], -1)
+    W, b, r = head.joint_proj.weight, head.joint_proj.bias, head.rank
+    g = torch.sigmoid(z @ W[:r].T + b[:r])
+    state = g * state + (1 - g) * torch.tanh(z @ W[r:2 * r].T + b[r:2 * r])
+    return torch.tanh(z @ W[2 * r:].T + b[2 * r:]) @ w2.T, state
+
+
+def capture_hidden(model):
+    """Record the backbone's final hidden states h (the output of the final norm) on every forward."""
+    seen = []
+    handle = model.norm.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
+    return seen, handle
+
+
+# ---- training vs inference ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_drafter_matches_teacher_forced_training_forward(tiny_target, kind):
+    """Two requests drafted in one batch (contexts committed in pieces) give the same q_1..q_γ and
+    c_1..c_γ as the training forward over their sequences with the drafts spliced in after the anchor."""
+    model = tiny_drafter(tiny_target, kind)
+    drafter, G = DSparkDrafter(model), model.block_size
+    seqs, anchors = [sequence(24, 1), sequence(24, 2)], [10, 15]
+    feats = target_features(tiny_target, seqs, model.target_layer_ids)
+    reqs = [committed_request(drafter, i, feats.features[i, :a], seqs[i][a], SamplingParams(temperature=1.0, seed=i),
+                              chunks=2) for i, a in enumerate(anchors)]
+    proposal = drafter.propose(reqs)
+    assert proposal.tokens.shape == (2, G) and proposal.q.shape == (2, G, VOCAB)
+    assert proposal.lengths.tolist() == [G, G]
+    spliced = [s[:a + 1] + proposal.tokens[i].tolist() + s[a + 1 + G:] for i, (s, a) in enumerate(zip(seqs, anchors))]
+    out = block_forward(model, tiny_target, torch.tensor(spliced), feats,
+                        AnchorBatch(torch.tensor([[a] for a in anchors]), torch.ones(2, 1, dtype=torch.bool), G))
+    torch.testing.assert_close(out.logits.softmax(-1), proposal.q, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.sigmoid(out.conf_logits), proposal.confidence, rtol=1e-5, atol=1e-6)
+
+
+def test_base_logits_match_between_training_and_inference(tiny_target):
+    """The backbone's U_1..U_γ themselves: the hidden states h that both paths feed to the LM head agree."""
+    model = tiny_drafter(tiny_target, "vanilla")
+    seq, a = sequence(20, 3), 9
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    seen, handle = capture_hidden(model)
+    try:
+        drafter = DSparkDrafter(model)
+        drafter.propose([committed_request(drafter, 0, feats.features[0, :a], seq[a], SamplingParams(seed=0))])
+        train_block(model, tiny_target, seq, a, feats)
+    finally:
+        handle.remove()
+    inference_h, training_h = seen
+    torch.testing.assert_close(model.base_logits(training_h), model.base_logits(inference_h), rtol=1e-5, atol=1e-5)
+
+
+# ---- sequential heads -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_markov_head_computes_the_method_formula(tiny_target, kind):
+    head = tiny_drafter(tiny_target, kind).markov_head
+    assert head.markov_w1.weight.shape == (VOCAB, RANK) and head.markov_w2.weight.shape == (VOCAB, RANK)
+    g = torch.Generator().manual_seed(5)
+    prev = torch.randint(VOCAB, (6,), generator=g)
+    h = torch.randn(6, HIDDEN, generator=g)
+    state = torch.randn(6, RANK, generator=g) if kind == "rnn" else None
+    bias, e, next_state = head(prev, h, state)
+    want_bias, want_state = manual_bias(head, prev, h, state)
+    torch.testing.assert_close(bias, want_bias, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(e, head.markov_w1.weight[prev], rtol=0, atol=0)
+    if kind == "rnn":
+        torch.testing.assert_close(next_state, want_state, rtol=1e-5, atol=1e-6)
+        assert torch.equal(head.initial_state(3, h), torch.zeros(3, RANK))
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20)],
+                         ids=["T1", "T0.7-top20"])
+def test_q_is_the_normalised_softmax_of_base_logits_plus_markov_bias(tiny_target, kind, params):
+    """q_k = warp(U_k + B(x_{k-1}, ·)) with x_0 the anchor and x_{k-1} the draft just sampled; at T = 1
+    that is exactly softmax(U_k + W2 W1[x_{k-1}]) (vanilla), summing to 1."""
+    model = tiny_drafter(tiny_target, kind)
+    seq, a = sequence(16, 4), 8
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    seen, handle = capture_hidden(model)
+    try:
+        drafter = DSparkDrafter(model)
+        proposal = drafter.propose([committed_request(drafter, 0, feats.features[0, :a], seq[a], params)])
+    finally:
+        handle.remove()
+    h = seen[0]  # [γ, d]
+    U = h @ model.lm_head.weight.T
+    prev = torch.tensor([seq[a]] + proposal.tokens[0, :-1].tolist())
+    state = torch.zeros(1, RANK) if kind == "rnn" else None
+    for k in range(model.block_size):
+        bias, state = manual_bias(model.markov_head, prev[k:k + 1], h[k:k + 1], state)
+        want = warp(U[k:k + 1] + bias, *param_tensors([params]))
+        torch.testing.assert_close(proposal.q[0, k:k + 1], want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(1, model.block_size), rtol=0, atol=1e-5)
+    if params.temperature == 1.0 and params.top_k == 0:
+        assert bool((proposal.q > 0).all())  # a full softmax: no token left out
+
+
+def test_drafts_are_sampled_from_the_returned_q(tiny_target):
+    """Across many seeded requests, x_1 follows the returned q_1 and x_2 follows the returned q_2 given
+    x_1 (G-test); the same counts reject the untempered distribution (the test has power)."""
+    model = tiny_drafter(tiny_target, "vanilla")
+    seq, a = sequence(12, 6), 8
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    drafter = DSparkDrafter(model)
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1000 + i) for i in range(256)]
+    reqs = [committed_request(drafter, i, feats.features[0, :a], seq[a], p) for i, p in enumerate(params)]
+    rounds = [drafter.propose(reqs) for _ in range(10)]
+    tokens = torch.cat([r.tokens for r in rounds])  # [2560, γ]
+    q = torch.cat([r.q for r in rounds])  # [2560, γ, V]
+    q1 = q[0, 0]
+    assert torch.equal(q[:, 0], q1.expand_as(q[:, 0]))  # same context and anchor: the same q_1 for all
+    assert bool((q.gather(-1, tokens[..., None]) > 0).all())  # never a token outside the support
+    counts1 = np.bincount(tokens[:, 0].numpy(), minlength=VOCAB)
+    assert g_test(counts1, q1.double().numpy() / q1.double().sum().item()) > 1e-3
+    firsts = sorted(set(tokens[:, 0].tolist()))
+    counts2 = np.stack([np.bincount(tokens[tokens[:, 0] == t, 1].numpy(), minlength=VOCAB) for t in firsts])
+    q2 = torch.stack([q[tokens[:, 0] == t][0, 1] for t in firsts]).double()
+    assert g_test(counts2, (q2 / q2.sum(-1, keepdim=True)).numpy()) > 1e-3
+    untempered = q1.double() ** 0.7  # the same support at temperature 1, the bug of ignoring temperature
+    assert g_test(counts1, (untempered / untempered.sum()).numpy()) < 1e-6
+
+
+# ---- confidence -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_confidence_and_q_never_read_x_k(tiny_target, kind):
+    """Changing x_k (the token at position a + k) leaves c_1..c_k and q_1..q_k unchanged; c_{k+1}, which
+    reads x_k as x_{(k+1)-1}, changes when the confidence head reads W1[x_{k-1}]."""
+    model = tiny_drafter(tiny_target, kind)
+    seq, a, G = sequence(20, 7), 6, model.block_size
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    q, conf = train_block(model, tiny_target, seq, a, feats)
+    for k in range(1, G):
+        changed = list(seq)
+        changed[a + k] = other_token(seq[a + k])
+        q2, conf2 = train_block(model, tiny_target, changed, a, feats)
+        assert torch.equal(conf2[:k], conf[:k]) and torch.equal(q2[:k], q[:k])
+        if kind != "dflash":
+            assert not torch.equal(conf2[k], conf[k]) and not torch.equal(q2[k], q[k])
+        else:
+            assert torch.equal(conf2, conf) and torch.equal(q2, q)  # no sequential head: tokens unused
+
+
+def test_confidence_head_reads_h_and_previous_token_only(tiny_target):
+    """c_k = σ(w^T [h_k; W1[x_{k-1}]] + b) with the drafts the drafter itself sampled."""
+    model = tiny_drafter(tiny_target, "gated")
+    seq, a = sequence(16, 8), 8
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    seen, handle = capture_hidden(model)
+    try:
+        drafter = DSparkDrafter(model)
+        req = committed_request(drafter, 0, feats.features[0, :a], seq[a], SamplingParams(seed=2))
+        proposal = drafter.propose([req])
+    finally:
+        handle.remove()
+    assert model.confidence_head.proj.weight.shape == (1, HIDDEN + RANK)
+    prev = torch.tensor([seq[a]] + proposal.tokens[0, :-1].tolist())
+    z = torch.cat([seen[0], model.markov_head.markov_w1.weight[prev]], -1)
+    want = torch.sigmoid(z @ model.confidence_head.proj.weight[0] + model.confidence_head.proj.bias)
+    torch.testing.assert_close(proposal.confidence[0], want, rtol=1e-5, atol=1e-6)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+def expected_shapes(kind: str, num_features: int = 3, layers: int = 1) -> dict[str, tuple[int, ...]]:
+    """CHECKPOINT_FORMAT.md's parameter table for the tiny drafter (Qwen3 layer shapes, 4 heads of 16)."""
+    d, r, V, kv = HIDDEN, RANK, VOCAB, 2 * 16
+    shapes = {"embed_tokens.weight": (V, d), "lm_head.weight": (V, d), "fc.weight": (d, num_features * d),
+              "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                       p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+                       p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,),
+                       p + "mlp.gate_proj.weight": (128, d), p + "mlp.up_proj.weight": (128, d),
+                       p + "mlp.down_proj.weight": (d, 128)})
+    if kind == "dflash":
+        shapes.update({"confidence_head.proj.weight": (1, d), "confidence_head.proj.bias": (1,)})
+        return shapes
+    shapes.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r),
+                   "confidence_head.proj.weight": (1, d + r), "confidence_head.proj.bias": (1,)})
+    if kind == "gated":
+        shapes.update({"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)})
+    if kind == "rnn":
+        shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d), "markov_head.joint_proj.bias": (3 * r,)})
+    return shapes
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_checkpoint_has_the_released_layout(tiny_target, kind, tmp_path):
+    save_drafter(tiny_drafter(tiny_target, kind), tmp_path, export_frozen=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rank = 0 if kind == "dflash" else RANK
+    assert config["architectures"] == ["Qwen3DSparkModel"]
+    assert (config["num_hidden_layers"], config["num_target_layers"], config["target_layer_ids"]) == (1, 6, [1, 2, 3])
+    assert (config["block_size"], config["num_anchors"], config["markov_rank"]) == (BLOCK, 8, rank)
+    assert config["markov_head_type"] == ("vanilla" if kind == "dflash" else kind)
+    assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is (rank > 0)
+    assert config["tie_word_embeddings"] is False and config["layer_types"] == ["full_attention"]
+    assert 0 <= config["mask_token_id"] < VOCAB and config["vocab_size"] == VOCAB
+    assert config["hidden_size"] == HIDDEN and config["rope_parameters"]["rope_theta"] == 50000.0
+    state = load_file(tmp_path / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected_shapes(kind)
+    save_drafter(tiny_drafter(tiny_target, kind), tmp_path / "trainable")  # default: frozen weights left out
+    assert set(load_file(tmp_path / "trainable" / "model.safetensors")) == set(expected_shapes(kind)) - {
+        "embed_tokens.weight", "lm_head.weight"}
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_save_load_round_trip_is_bit_exact(tiny_target, kind, tmp_path):
+    model = tiny_drafter(tiny_target, kind, seed=11)
+    save_drafter(model, tmp_path)
+    loaded = load_drafter(tmp_path, tiny_target)
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert set(mine) == set(theirs)
+    for name, tensor in mine.items():
+        assert theirs[name].dtype == tensor.dtype and torch.equal(theirs[name], tensor), name
+    assert loaded.embed_tokens.weight is tiny_target.embed_tokens.weight  # shared, not copied
+    assert not any(p.requires_grad for p in (loaded.embed_tokens.weight, loaded.lm_head.weight))
+    assert torch.equal(loaded.rotary.inv_freq, model.rotary.inv_freq)
+    seq = sequence(16, 9)
+    (q, c), (q2, c2) = train_block(model, tiny_target, seq, 5), train_block(loaded, tiny_target, seq, 5)
+    assert torch.equal(q, q2) and torch.equal(c, c2)
+    half = load_drafter(save_drafter(model, tmp_path / "bf16", dtype=torch.bfloat16), tiny_target, dtype=torch.bfloat16)
+    for name, tensor in half.state_dict().items():
+        if name not in ("embed_tokens.weight", "lm_head.weight"):
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, mine[name].bfloat16()), name
+
+
+def test_loads_a_checkpoint_written_by_another_tool(tiny_target, tmp_path):
+    """A DeepSpec-style folder: a transformers-4 style config (rope_theta at top level, unknown fields)
+    and a bf16 model.safetensors holding every weight, frozen ones included."""
+    model = tiny_drafter(tiny_target, "rnn", seed=12)
+    config = {k: v for k, v in model.config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    config.update(rope_theta=50000.0, rope_scaling=None, torch_dtype="bfloat16", transformers_version="4.57.1",
+                  use_cache=True, deepspec_training={"lr": 6e-4, "epochs": 3}, some_future_field=[1, 2])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    state = {k: v.detach().bfloat16().contiguous() for k, v in reversed(model.state_dict().items())}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    standalone = load_drafter(tmp_path)  # no target: the file's own frozen weights
+    for name, tensor in state.items():
+        assert torch.equal(standalone.state_dict()[name], tensor), name
+    assert standalone.dtype == torch.bfloat16 and standalone.c.markov_head_type == "rnn"
+    assert torch.equal(standalone.rotary.inv_freq, model.rotary.inv_freq)
+    with_target = load_drafter(tmp_path, tiny_target, dtype=torch.float32)
+    assert with_target.lm_head.weight is tiny_target.lm_head.weight
+    assert torch.equal(with_target.markov_head.joint_proj.weight, state["markov_head.joint_proj.weight"].float())
+
+
+@pytest.mark.parametrize("field,other", [("vocab_size", 600), ("hidden_size", 32), ("num_hidden_layers", 3)])
+def test_checkpoint_for_another_target_is_refused(tiny_target, tmp_path, field, other):
+    save_drafter(tiny_drafter(tiny_target, "vanilla"), tmp_path)
+    with pytest.raises(ValueError, match="different target|target layers") as info:
+        load_drafter(tmp_path, meta_target(**{field: other}))
+    assert str(other) in str(info.value)
+
+
+def test_checkpoint_without_frozen_weights_needs_the_target(tiny_target, tmp_path):
+    save_drafter(tiny_drafter(tiny_target, "vanilla"), tmp_path)
+    with pytest.raises(ValueError, match="pass the target"):
+        load_drafter(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    with pytest.raises(ValueError, match="not a DSpark/DFlash drafter config"):
+        load_drafter(tmp_path)
+
+
+# ---- engine ---------------------------------------------------------------------------------------
+def test_engine_with_dspark_drafter_is_lossless_under_greedy(tiny_target, tiny_target_dir):
+    """Greedy output equals plain decoding, and the drafter's context always covers exactly the
+    positions the engine has committed (requests of different lengths, finishing at different steps)."""
+    prompts = [sequence(9, 20), sequence(5, 21), sequence(13, 22)]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 11, 17)]
+    plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)
+    drafter = DSparkDrafter(tiny_drafter(tiny_target, "rnn"))
+    llm = LLM(str(tiny_target_dir), drafter=drafter, gamma=BLOCK, dtype="fp32")
+    engine = llm.engine
+    reqs = [engine.add_request(prompt, params) for prompt, params in zip(prompts, greedy)]
+    while engine.has_unfinished():
+        engine.step()
+        for req in engine.running:
+            assert drafter.context_len[req.request_id] == req.num_cached
+    assert drafter.context_len == {}  # every finished request was released
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
+    assert sum(sum(s.verified) for s in engine.stats) > 0  # drafts were really verified

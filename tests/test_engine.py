@@ -1,0 +1,181 @@
+"""The engine end to end on the bundled SmolLM2 (float32 unless said): greedy speculative decoding with
+ragged verify lengths gives exactly the plain greedy output; requests joining and leaving a running batch
+are unaffected; stop strings, EOS, max_tokens, the context limit and streaming behave as documented."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark import SamplingParams
+from dspark.draft import Drafter, Proposal
+from dspark.schedule import Scheduler
+
+
+class NoisyReferenceDrafter(Drafter):
+    """Drafts a request's known greedy continuation with random lengths 0..gamma, each token replaced by a
+    random one with probability `noise`. dense=True also returns a random draft distribution q."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, gamma: int = 5,
+                 noise: float = 0.25, dense: bool = False, seed: int = 0):
+        self.references, self.vocab_size, self.gamma = references, vocab_size, gamma
+        self.noise, self.dense = noise, dense
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, requests: list) -> Proposal:
+        R, G, g = len(requests), self.gamma, self.gen
+        tokens = torch.randint(0, self.vocab_size, (R, G), generator=g)  # wrong guesses past the reference
+        for i, req in enumerate(requests):
+            ref = torch.tensor(self.references[tuple(req.prompt_ids)][len(req.output_ids):][:G], dtype=torch.long)
+            keep = torch.rand(len(ref), generator=g) >= self.noise
+            tokens[i, :len(ref)] = torch.where(keep, ref, tokens[i, :len(ref)])
+        q = (2 * torch.randn(R, G, self.vocab_size, generator=g)).softmax(-1) if self.dense else None
+        return Proposal(tokens, q, torch.randint(0, G + 1, (R,), generator=g))
+
+
+class RandomLengths(Scheduler):
+    """Verify a uniformly random number 0..len of each request's drafts."""
+
+    def __init__(self, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def plan(self, proposal: Proposal) -> torch.Tensor:
+        u = torch.rand(len(proposal.lengths), generator=self.gen)
+        return (u * (proposal.lengths + 1)).floor().long()
+
+
+@pytest.fixture
+def noisy_drafter(chat_ids, solo_greedy, smollm_fp32):
+    def make(**kwargs) -> NoisyReferenceDrafter:
+        refs = {tuple(ids): out for ids, out in zip(chat_ids, solo_greedy)}
+        return NoisyReferenceDrafter(refs, smollm_fp32[0].config.vocab_size, **kwargs)
+
+    return make
+
+
+def verify_counts(llm) -> tuple[int, int]:
+    """(drafts verified, drafts accepted) over the engine's steps."""
+    return sum(sum(s.verified) for s in llm.engine.stats), sum(sum(s.accepted) for s in llm.engine.stats)
+
+
+# ---- greedy speculative decoding is exactly greedy decoding ------------------------------------
+@pytest.mark.parametrize("dense_q", [False, True], ids=["point-mass-q", "dense-q"])
+def test_greedy_speculative_equals_plain_with_ragged_lengths(make_llm, greedy, noisy_drafter, chat_ids, solo_greedy,
+                                                             dense_q):
+    llm = make_llm(drafter=noisy_drafter(dense=dense_q), scheduler=RandomLengths())
+    outs = llm.generate(chat_ids, greedy)
+    assert [o.token_ids for o in outs] == solo_greedy
+    verified, accepted = verify_counts(llm)
+    assert 0 < accepted < verified  # both acceptances and rejections happened
+    assert len({tuple(s.verified) for s in llm.engine.stats}) > 1  # ragged, varying ℓ_r
+
+
+def test_greedy_prompt_lookup_equals_plain(make_llm, greedy, chat_ids, solo_greedy):
+    llm = make_llm(drafter="prompt-lookup", gamma=4)
+    assert [o.token_ids for o in llm.generate(chat_ids, greedy)] == solo_greedy
+    verified, accepted = verify_counts(llm)
+    assert verified > 0 and accepted > 0
+
+
+# ---- continuous batching -----------------------------------------------------------------------
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_requests_joining_and_leaving_keep_their_outputs(make_llm, greedy, noisy_drafter, chat_ids, solo_greedy,
+                                                         speculative):
+    """Requests arrive between steps, wait for a free slot (max_num_seqs=3), and two finish early (small
+    max_tokens) so that later slots are compacted into theirs: every output equals the solo one."""
+    drafter = noisy_drafter(seed=1) if speculative else "none"
+    llm = make_llm(drafter=drafter, scheduler=RandomLengths(seed=1) if speculative else "fixed", max_num_seqs=3)
+    engine = llm.engine
+    max_tokens = [greedy.max_tokens, 5, greedy.max_tokens, 12]
+    arrival_step = [0, 0, 1, 2]
+    reqs, slots_seen, waited = {}, {}, False
+    step = 0
+    while len(reqs) < len(chat_ids) or engine.has_unfinished():
+        for i, at in enumerate(arrival_step):
+            if at == step:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens[i])
+                reqs[i] = engine.add_request(chat_ids[i], params)
+        engine.step()
+        waited |= bool(engine.waiting)
+        for i, req in reqs.items():
+            if req.slot >= 0:
+                slots_seen.setdefault(i, set()).add(req.slot)
+        step += 1
+    for i, req in reqs.items():
+        assert req.finish_reason in ("length", "stop") and req.error is None
+        assert req.output_ids == solo_greedy[i][:max_tokens[i]], f"request {i}"
+    assert waited, "a request should have waited for a slot"
+    assert any(len(s) > 1 for s in slots_seen.values()), "a request should have moved to a freed slot"
+    assert not engine.running and engine.cache.num_used == 0
+
+
+# ---- finishing: EOS, max_tokens, context limit, stop strings -----------------------------------
+@pytest.fixture(scope="module")
+def short_answer(make_llm, greedy):
+    """A prompt whose greedy answer ends with EOS well before greedy.max_tokens, and that output."""
+    llm = make_llm()
+    ids = llm.chat_prompt("What is 2+2? Answer in one short sentence.")
+    out = llm.generate(ids, greedy)[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < greedy.max_tokens
+    return ids, out
+
+
+def test_eos_finishes_with_stop_and_ignore_eos_continues(make_llm, greedy, short_answer):
+    ids, ref = short_answer  # from plain decoding
+    llm = make_llm(drafter="prompt-lookup")
+    out = llm.generate(ids, greedy)[0]
+    assert out.token_ids == ref.token_ids and out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.engine.eos_ids
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) and "<|im_end|>" not in out.text
+    n = len(ref.token_ids) + 6
+    longer = llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    assert longer.finish_reason == "length" and len(longer.token_ids) == n
+    assert longer.token_ids[:len(ref.token_ids)] == ref.token_ids
+
+
+def test_max_tokens_and_context_limit_are_exact(make_llm, greedy, chat_ids, solo_greedy):
+    """Prompt lookup drafts up to 7 tokens a step; none may pass the limits."""
+    ids = chat_ids[2]  # a long answer: code
+    assert len(solo_greedy[2]) == greedy.max_tokens
+    llm = make_llm(drafter="prompt-lookup", gamma=7)
+    outs = llm.generate([ids] * 4, [SamplingParams(temperature=0, max_tokens=n) for n in (1, 2, 9, 23)])
+    for out, n in zip(outs, (1, 2, 9, 23)):
+        assert out.finish_reason == "length" and out.token_ids == solo_greedy[2][:n]
+    room = 11
+    tight = make_llm(drafter="prompt-lookup", gamma=7, max_model_len=len(ids) + room)
+    out = tight.generate(ids, greedy)[0]
+    assert out.finish_reason == "length" and out.token_ids == solo_greedy[2][:room]
+
+
+def test_stop_strings_cut_the_text(make_llm, greedy, chat_ids, solo_greedy):
+    llm = make_llm(drafter="prompt-lookup")
+    full = llm.tokenizer.decode(solo_greedy[3], skip_special_tokens=True)
+    stops = [full[20:26], "NEVER-APPEARS"]  # the first most likely straddles tokens
+
+    def run(stop: list[str]):
+        return llm.generate(chat_ids[3], SamplingParams(temperature=0, max_tokens=greedy.max_tokens, stop=stop))[0]
+
+    out = run(stops)
+    assert out.finish_reason == "stop" and len(out.token_ids) < len(solo_greedy[3])
+    assert out.text == full[:full.find(stops[0])]
+    missing = run(stops[1:])
+    assert missing.text == full and missing.finish_reason == "length"
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+def test_streamed_deltas_concatenate_to_the_final_text(llm_bf16, chat_prompts):
+    """bf16 with prompt lookup (several tokens per step), stop strings that straddle tokens, a short
+    max_tokens: each request's deltas add up to its final text, and the finished output comes last."""
+    plain = llm_bf16.generate(chat_prompts[:2], SamplingParams(temperature=0, max_tokens=32), chat=True)
+    params = [SamplingParams(temperature=0, max_tokens=32, stop=[o.text[25:29]]) for o in plain]
+    params += [SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0.8, max_tokens=32, seed=3)]
+    streamed: dict[str, list] = {}
+    outs = llm_bf16.generate(chat_prompts, params, chat=True, on_output=lambda o: streamed.setdefault(
+        o.request_id, []).append(o))
+    for out, p in zip(outs, params):
+        events = streamed[out.request_id]
+        assert "".join(e.delta for e in events) == out.text
+        assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+        assert all(e.delta for e in events[:-1])  # no empty updates before the last
+        if p.stop:
+            assert out.finish_reason == "stop" and p.stop[0] not in out.text
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 7
