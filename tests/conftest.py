@@ -60,12 +60,15 @@ def smollm_fp32(base_llm_fp32):
 @pytest.fixture(scope="session")
 def make_llm(base_llm_fp32):
     """make_llm(drafter="none", scheduler="fixed", gamma=7, **config) -> a fresh LLM (own engine, cache and
-    queues) on the shared float32 SmolLM2 weights; config fields: max_num_seqs, max_model_len."""
+    queues) on the shared float32 SmolLM2 weights, as LLM(dtype="fp32", ...) builds it; config fields:
+    max_num_seqs, max_model_len."""
 
     def make(drafter="none", scheduler="fixed", gamma: int = 7, **config) -> LLM:
         llm = copy.copy(base_llm_fp32)
         llm.config = dataclasses.replace(base_llm_fp32.config, **config)
-        llm.engine = LLMEngine(base_llm_fp32.engine.target, llm.tokenizer, make_drafter(drafter, gamma=gamma),
+        target = base_llm_fp32.engine.target
+        max_len = llm.config.max_model_len or target.config.max_position_embeddings
+        llm.engine = LLMEngine(target, llm.tokenizer, make_drafter(drafter, gamma, target, max_len),
                                make_scheduler(scheduler, gamma=gamma), llm.config)
         return llm
 

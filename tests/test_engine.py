@@ -8,6 +8,7 @@ import torch
 
 from dspark import SamplingParams
 from dspark.draft import Drafter, Proposal
+from dspark.engine.emit import held_back
 from dspark.schedule import Scheduler
 
 
@@ -66,7 +67,7 @@ def test_greedy_speculative_equals_plain_with_ragged_lengths(make_llm, greedy, n
     assert [o.token_ids for o in outs] == solo_greedy
     verified, accepted = verify_counts(llm)
     assert 0 < accepted < verified  # both acceptances and rejections happened
-    assert len({tuple(s.verified) for s in llm.engine.stats}) > 1  # ragged, varying ℓ_r
+    assert any(len(set(s.verified)) > 1 for s in llm.engine.stats)  # ragged: different ℓ_r in one step
 
 
 def test_greedy_prompt_lookup_equals_plain(make_llm, greedy, chat_ids, solo_greedy):
@@ -162,20 +163,57 @@ def test_stop_strings_cut_the_text(make_llm, greedy, chat_ids, solo_greedy):
 
 
 # ---- streaming ---------------------------------------------------------------------------------
+def test_held_back_text():
+    """Characters that may still turn into a stop string or a whole character wait."""
+    assert held_back("The end</", ["</s>", "STOP"]) == 2
+    assert held_back("The end ST", ["</s>", "STOP"]) == 2
+    assert held_back("The end", ["</s>"]) == 0
+    assert held_back("caf\ufffd", []) == 1  # a partial UTF-8 character decodes as U+FFFD
+
+
+def stream(llm, prompts, params, chat: bool = False):
+    """generate() with a callback: the finished outputs and each request's streamed outputs in order."""
+    streamed: dict[str, list] = {}
+    outs = llm.generate(prompts, params, chat=chat,
+                        on_output=lambda o: streamed.setdefault(o.request_id, []).append(o))
+    return outs, [streamed[o.request_id] for o in outs]
+
+
+def check_stream(out, events):
+    """The deltas add up to the final text, with no empty update, and the finished output comes last."""
+    assert "".join(e.delta for e in events) == out.text
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+    assert all(e.delta for e in events[:-1])
+    assert events[-1].token_ids == out.token_ids and events[-1].finish_reason == out.finish_reason
+
+
+def test_stop_string_split_across_steps_is_never_streamed(make_llm, chat_ids, solo_greedy, greedy):
+    """Plain decoding, one token per step: each stop string is the text of two consecutive tokens, so its
+    first part must be held back until the next step shows whether the stop string completes."""
+    llm = make_llm()
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    params, expected = [], []
+    for ids, k in zip(solo_greedy, (10, 6, 14, 3)):
+        full, before = decode(ids), decode(ids[:k])
+        stop = decode(ids[:k + 2])[len(before):]
+        assert len(stop) >= 2 and full.find(stop) == len(before), (stop, full)
+        params.append(SamplingParams(temperature=0, max_tokens=greedy.max_tokens, stop=[stop]))
+        expected.append(before)
+    outs, events = stream(llm, chat_ids, params)
+    for out, ev, text in zip(outs, events, expected):
+        check_stream(out, ev)
+        assert out.finish_reason == "stop" and out.text == text
+
+
 def test_streamed_deltas_concatenate_to_the_final_text(llm_bf16, chat_prompts):
-    """bf16 with prompt lookup (several tokens per step), stop strings that straddle tokens, a short
-    max_tokens: each request's deltas add up to its final text, and the finished output comes last."""
+    """bf16 with prompt lookup (several tokens per step), stop strings, a short max_tokens and a sampled
+    request."""
     plain = llm_bf16.generate(chat_prompts[:2], SamplingParams(temperature=0, max_tokens=32), chat=True)
     params = [SamplingParams(temperature=0, max_tokens=32, stop=[o.text[25:29]]) for o in plain]
     params += [SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0.8, max_tokens=32, seed=3)]
-    streamed: dict[str, list] = {}
-    outs = llm_bf16.generate(chat_prompts, params, chat=True, on_output=lambda o: streamed.setdefault(
-        o.request_id, []).append(o))
-    for out, p in zip(outs, params):
-        events = streamed[out.request_id]
-        assert "".join(e.delta for e in events) == out.text
-        assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
-        assert all(e.delta for e in events[:-1])  # no empty updates before the last
+    outs, events = stream(llm_bf16, chat_prompts, params, chat=True)
+    for out, ev, p in zip(outs, events, params):
+        check_stream(out, ev)
         if p.stop:
             assert out.finish_reason == "stop" and p.stop[0] not in out.text
     assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 7

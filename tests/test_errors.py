@@ -153,7 +153,7 @@ def test_cli_bad_input_exits_2_with_a_message(argv, message, capsys):
 
 def test_cli_bad_choice_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--drafter", "bogus", "hello"])
+        main(["generate", "--scheduler", "bogus", "hello"])
     assert exit_info.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
@@ -170,6 +170,8 @@ def cli_on_shared_weights(make_llm, monkeypatch):
 def test_cli_prompt_errors_and_success(cli_on_shared_weights, chat_prompts, capsys):
     assert main(["generate", "--raw", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err
+    assert main(["generate", "--drafter", "bogus", "hello"]) == 2
+    assert "unknown drafter 'bogus'" in capsys.readouterr().err
     assert main(["generate", "--max-model-len", "8", chat_prompts[0]]) == 2
     assert "does not fit the context of 8" in capsys.readouterr().err
     assert main(["generate", "--max-tokens", "5", chat_prompts[0]]) == 0
