@@ -13,13 +13,14 @@ from dspark.schedule import Scheduler
 
 
 class NoisyReferenceDrafter(Drafter):
-    """Drafts a request's known greedy continuation with random lengths 0..gamma, each token replaced by a
-    random one with probability `noise`. dense=True also returns a random draft distribution q."""
+    """Drafts a request's known greedy continuation with random lengths 0..gamma (always gamma if not
+    random_lengths), each token replaced by a random one with probability `noise`. dense=True also returns a
+    random draft distribution q."""
 
     def __init__(self, references: dict[tuple[int, ...], list[int]], vocab_size: int, gamma: int = 5,
-                 noise: float = 0.25, dense: bool = False, seed: int = 0):
+                 noise: float = 0.25, dense: bool = False, random_lengths: bool = True, seed: int = 0):
         self.references, self.vocab_size, self.gamma = references, vocab_size, gamma
-        self.noise, self.dense = noise, dense
+        self.noise, self.dense, self.random_lengths = noise, dense, random_lengths
         self.gen = torch.Generator().manual_seed(seed)
 
     def propose(self, requests: list) -> Proposal:
@@ -30,7 +31,8 @@ class NoisyReferenceDrafter(Drafter):
             keep = torch.rand(len(ref), generator=g) >= self.noise
             tokens[i, :len(ref)] = torch.where(keep, ref, tokens[i, :len(ref)])
         q = (2 * torch.randn(R, G, self.vocab_size, generator=g)).softmax(-1) if self.dense else None
-        return Proposal(tokens, q, torch.randint(0, G + 1, (R,), generator=g))
+        lengths = torch.randint(0, G + 1, (R,), generator=g) if self.random_lengths else torch.full((R,), G)
+        return Proposal(tokens, q, lengths)
 
 
 class RandomLengths(Scheduler):
@@ -133,18 +135,21 @@ def test_eos_finishes_with_stop_and_ignore_eos_continues(make_llm, greedy, short
     assert longer.token_ids[:len(ref.token_ids)] == ref.token_ids
 
 
-def test_max_tokens_and_context_limit_are_exact(make_llm, greedy, chat_ids, solo_greedy):
-    """Prompt lookup drafts up to 7 tokens a step; none may pass the limits."""
+def test_max_tokens_and_context_limit_are_exact(make_llm, greedy, noisy_drafter, chat_ids, solo_greedy):
+    """A drafter that always proposes 7 right tokens: verification stops exactly at the limits, with no
+    accepted draft thrown away (tokens after the prefill's = accepted drafts + one per step)."""
     ids = chat_ids[2]  # a long answer: code
     assert len(solo_greedy[2]) == greedy.max_tokens
-    llm = make_llm(drafter="prompt-lookup", gamma=7)
-    outs = llm.generate([ids] * 4, [SamplingParams(temperature=0, max_tokens=n) for n in (1, 2, 9, 23)])
-    for out, n in zip(outs, (1, 2, 9, 23)):
-        assert out.finish_reason == "length" and out.token_ids == solo_greedy[2][:n]
+    oracle = dict(gamma=7, noise=0.0, random_lengths=False)
+    llm = make_llm(drafter=noisy_drafter(**oracle))
+    limits = (1, 2, 9, 23)
+    outs = llm.generate([ids] * len(limits), [SamplingParams(temperature=0, max_tokens=n) for n in limits])
     room = 11
-    tight = make_llm(drafter="prompt-lookup", gamma=7, max_model_len=len(ids) + room)
-    out = tight.generate(ids, greedy)[0]
-    assert out.finish_reason == "length" and out.token_ids == solo_greedy[2][:room]
+    tight = make_llm(drafter=noisy_drafter(**oracle), max_model_len=len(ids) + room)
+    outs += tight.generate(ids, greedy)
+    for out, n in zip(outs, limits + (room,)):
+        assert out.finish_reason == "length" and out.token_ids == solo_greedy[2][:n]
+        assert out.drafts_accepted + out.steps == n - 1
 
 
 def test_stop_strings_cut_the_text(make_llm, greedy, chat_ids, solo_greedy):

@@ -137,10 +137,11 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        bias = getattr(config, "attention_bias", False)
+        # Qwen2 always has q/k/v biases; Llama's attention_bias also puts one on o_proj
+        bias = getattr(config, "attention_bias", None) or config.model_type == "qwen2"
         d = config.hidden_size
         self.qkv_proj = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias and config.model_type == "llama")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
