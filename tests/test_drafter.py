@@ -52,14 +52,16 @@ def train_block(model, target, seq: list[int], a: int, feats=None):
     return out.logits[0].softmax(-1), conf
 
 
-def committed_request(drafter: DSparkDrafter, slot: int, features: torch.Tensor, anchor_token: int,
-                      params: SamplingParams, chunks: int = 1) -> Request:
-    """A request in `slot` whose committed context features are given (in `chunks` commits, as an
-    engine commits prompt and accepted tokens) and whose newest token is anchor_token."""
+def committed_request(drafter, slot: int, features: torch.Tensor, anchor_token: int, params: SamplingParams,
+                      chunks: int = 1, context: list[int] | None = None) -> Request:
+    """A request in `slot` whose committed context (tokens, default zeros, and target features) is given
+    in `chunks` commits, as an engine commits prompt and accepted tokens, and whose newest token is
+    anchor_token."""
     req = Request([anchor_token], params)
     req.slot, req.output_ids = slot, [anchor_token]
-    for part in features.tensor_split(chunks):
-        drafter.commit([req], [part])
+    tokens = torch.tensor(context) if context is not None else torch.zeros(features.shape[0], dtype=torch.long)
+    for toks, part in zip(tokens.tensor_split(chunks), features.tensor_split(chunks)):
+        drafter.commit([req], [toks], [part])
     return req
 
 
@@ -333,7 +335,7 @@ def test_checkpoint_without_frozen_weights_needs_the_target(tiny_target, tmp_pat
     with pytest.raises(ValueError, match="pass the target"):
         load_drafter(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
-    with pytest.raises(ValueError, match="not a DSpark/DFlash drafter config"):
+    with pytest.raises(ValueError, match="not a DSpark/DFlash/Eagle3 drafter config"):
         load_drafter(tmp_path)
 
 

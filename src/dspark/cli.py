@@ -142,9 +142,11 @@ TRAIN_HELP = {
            "an existing train_state.pt is resumed exactly",
     "target": "target model (default: the bundled SmolLM2-135M-Instruct)",
     "target_dtype": "dtype of the frozen target: bf16 or fp32",
-    "num_layers": "drafter backbone layers",
+    "drafter_type": "dspark (backbone + sequential and confidence heads), dflash (the backbone alone), eagle3 "
+                    "(Eagle3-style autoregressive, one layer) or mtp (MTP-1: last target layer, one draft)",
+    "num_layers": "drafter backbone layers (dspark, dflash)",
     "block_size": "γ, drafts per block",
-    "markov_rank": "rank r of the Markov head; 0 trains DFlash (no sequential head)",
+    "markov_rank": "rank r of the Markov head (dspark)",
     "markov_head_type": "vanilla, gated or rnn",
     "confidence": "train the confidence head (1) or not (0)",
     "num_anchors": "anchors sampled per training sequence",
@@ -181,7 +183,7 @@ def add_train_parser(sub):
 
     from .train.trainer import TrainConfig
 
-    tr = sub.add_parser("train", help="train a DSpark (or DFlash) drafter for a target",
+    tr = sub.add_parser("train", help="train a DSpark, DFlash, Eagle3-style or MTP-1 drafter for a target",
                         description="Train a drafter against the frozen target on regenerated answers: target "
                                     "features online, packed anchors, L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE. "
                                     "Progress bar with the losses and the running acceptance estimate; atomic "

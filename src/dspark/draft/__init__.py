@@ -3,7 +3,7 @@ from pathlib import Path
 from .base import Drafter, NoDrafter, Proposal
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTERS = ("none", "prompt-lookup", "<path to a DSpark/DFlash drafter folder>")
+DRAFTERS = ("none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
 
 
 def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
@@ -18,8 +18,11 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
     if Path(spec).expanduser().is_dir():
         from .checkpoint import load_drafter
         from .dspark import DSparkDrafter
+        from .eagle3 import Eagle3Drafter
+        from .eagle3_model import Eagle3Model
 
-        return DSparkDrafter(load_drafter(Path(spec).expanduser(), target), max_model_len)
+        model = load_drafter(Path(spec).expanduser(), target)
+        return (Eagle3Drafter if isinstance(model, Eagle3Model) else DSparkDrafter)(model, max_model_len)
     raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup or a drafter folder")
 
 

@@ -31,8 +31,8 @@ class Drafter:
         """Draft for every running request (in order); sample with each request's params and generator."""
         return Proposal.empty(len(requests))
 
-    def commit(self, requests: list, features: list[torch.Tensor | None]) -> None:
-        """Target features ([n_r, m*d]) of each request's newly committed positions."""
+    def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        """Each request's newly committed positions: their tokens [n_r] and target features [n_r, m*d]."""
 
     def release(self, request, moved_from: int | None = None) -> None:
         """Forget a finished or cancelled request. Slots stay compact: if moved_from is given, the

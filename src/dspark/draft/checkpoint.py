@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .dspark_model import DSparkModel
+from .eagle3_model import EAGLE3_ARCHITECTURE, Eagle3Model
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 
@@ -60,7 +61,7 @@ def _atomic_write(path: Path, write):
         raise
 
 
-def save_drafter(model: DSparkModel, folder: str | Path, *, export_frozen: bool = False,
+def save_drafter(model: DSparkModel | Eagle3Model, folder: str | Path, *, export_frozen: bool = False,
                  dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors (each file atomically)."""
     folder = Path(folder)
@@ -85,15 +86,22 @@ def check_compatible(config: dict, target_config) -> None:
                          f"the target has {target_config.num_hidden_layers} layers")
 
 
-def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DSparkModel:
-    """Load a drafter folder; with a target (TargetModel), check it fits and share its embedding and LM head."""
+def is_eagle3(config: dict) -> bool:
+    return EAGLE3_ARCHITECTURE in config.get("architectures", [])
+
+
+def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DSparkModel | Eagle3Model:
+    """Load a drafter folder (DSpark, DFlash, or Eagle3-style by `architectures`); with a target
+    (TargetModel), check it fits and share its embedding and LM head."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
     config = json.loads((folder / "config.json").read_text())
-    missing = [k for k in ("target_layer_ids", "block_size", "mask_token_id") if k not in config]
+    required = ("target_layer_ids", "block_size") if is_eagle3(config) else ("target_layer_ids", "block_size",
+                                                                              "mask_token_id")
+    missing = [k for k in required if k not in config]
     if missing:
-        raise ValueError(f"{folder}/config.json is not a DSpark/DFlash drafter config (missing {missing})")
+        raise ValueError(f"{folder}/config.json is not a DSpark/DFlash/Eagle3 drafter config (missing {missing})")
     config.setdefault("markov_rank", 0)
     config.setdefault("markov_head_type", "vanilla")
     config.setdefault("enable_confidence_head", False)
@@ -103,7 +111,7 @@ def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = No
     state = load_file(folder / "model.safetensors")
     dtype = dtype or (target.dtype if target is not None else next(iter(state.values())).dtype)
     with torch.device("meta"):
-        model = DSparkModel(config)
+        model = Eagle3Model(config) if is_eagle3(config) else DSparkModel(config)
     if target is not None:
         state.update({"embed_tokens.weight": target.embed_tokens.weight, "lm_head.weight": target.lm_head.weight})
     absent = [k for k in FROZEN if k not in state]

@@ -28,14 +28,15 @@ def config_namespace(config: dict) -> SimpleNamespace:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, c, layer_idx: int):
+    def __init__(self, c, layer_idx: int, in_features: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         bias = getattr(c, "attention_bias", False)
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        d_in = in_features or c.hidden_size  # Eagle3's layer reads [embedding; hidden], 2d wide
+        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)

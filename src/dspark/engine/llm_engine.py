@@ -177,7 +177,8 @@ class LLMEngine:
         for req, n in zip(reqs, committed):
             req.num_cached += n
         if features is not None:
-            self.drafter.commit(reqs, [features[s:s + n] for s, n in zip(starts, committed)])
+            self.drafter.commit(reqs, [batch.tokens[s:s + n] for s, n in zip(starts, committed)],
+                                [features[s:s + n] for s, n in zip(starts, committed)])
 
     def _emit(self, reqs: list[Request], new_tokens: list[list[int]], count_step: bool = True) -> list[RequestOutput]:
         outputs = []

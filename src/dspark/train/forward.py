@@ -1,13 +1,16 @@
-"""The drafter's teacher-forced forward over packed anchors: backbone on every block at once, then the
-sequential head left to right with the target's own tokens as x_{k-1}; returns q's logits, confidence
-logits and the target's p at the same positions."""
+"""The drafters' teacher-forced forwards over packed anchors, returning q's logits, confidence logits and the
+target's p at the same positions. DSpark/DFlash: the backbone on every block at once, then the sequential
+head left to right with the target's own tokens as x_{k-1}. Eagle3-style/MTP: γ unrolled steps, each
+feeding its hidden state to the next (Eagle3's training-time test)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..draft.dspark_model import DSparkModel
+from ..draft.eagle3_model import Eagle3Model
 from ..target.model import TargetModel
 from .anchors import AnchorBatch, dense_attend
 from .features import SequenceFeatures
@@ -22,6 +25,22 @@ class BlockOutputs:
     valid: torch.Tensor  # [M]
 
 
+def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures, anchors: AnchorBatch,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's p_k [M, γ, V] and own tokens x_{a+k} [M, γ] for every block."""
+    B, L = tokens.shape
+    rows = anchors.rows()
+    bidx = torch.arange(B)[:, None, None]
+    hidden = feats.hidden[bidx, rows].reshape(-1, feats.hidden.shape[-1])
+    p = (target.logits(hidden) / temperature).softmax(-1).clone()
+    labels = tokens[bidx, (rows + 1).clamp(max=L - 1)]
+    return p.view(*labels.shape[:2], anchors.block_size, -1).flatten(0, 1), labels.flatten(0, 1)
+
+
+def forward_for(model) -> callable:
+    return eagle3_forward if isinstance(model, Eagle3Model) else block_forward
+
+
 def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
                   anchors: AnchorBatch, temperature: float = 1.0) -> BlockOutputs:
     """tokens [B, L] (padded); feats from target_features over the same sequences."""
@@ -30,9 +49,8 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     rows = anchors.rows()  # [B, N, γ] positions a..a+γ-1
     N = rows.shape[1]
     bidx = torch.arange(B)[:, None, None]
-    p = (target.logits(feats.hidden[bidx, rows].reshape(-1, feats.hidden.shape[-1])) / temperature).softmax(-1).clone()
-    labels = tokens[bidx, (rows + 1).clamp(max=L - 1)]  # x_{a+k}
-    prev = tokens[bidx, rows]  # x_{a+k-1}; x_a is the anchor
+    p, labels = target_side(target, tokens, feats, anchors, temperature)
+    prev = tokens[bidx, rows].reshape(B * N, G)  # x_{a+k-1}; x_a is the anchor
     h_ctx = model.context(feats.features.reshape(B * L, -1))
     ctx_pos = torch.arange(L).repeat(B)
     ctx_kv = [(k.view(B, L, *k.shape[1:]), v.view(B, L, *v.shape[1:])) for k, v in model.context_kv(h_ctx, ctx_pos)]
@@ -41,7 +59,6 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     h = model.backbone(block.flatten(), rows.flatten(), dense_attend(ctx_kv, anchors.mask(L)))
     h = h.view(B * N, G, -1)
     U = model.base_logits(h)  # [M, γ, V]
-    prev = prev.reshape(B * N, G)
     state = model.markov_head.initial_state(B * N, h) if model.markov_head is not None else None
     biases, confs = [], []
     for k in range(G):
@@ -50,4 +67,47 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
         confs.append(c)
     logits = U if biases[0] is None else U + torch.stack(biases, 1)
     conf = torch.stack(confs, 1) if confs[0] is not None else None
-    return BlockOutputs(logits, conf, p.view(B * N, G, -1), labels.reshape(B * N, G), anchors.valid.flatten())
+    return BlockOutputs(logits, conf, p, labels, anchors.valid.flatten())
+
+
+def unrolled_attend(ctx_kv: tuple[torch.Tensor, torch.Tensor], ctx_mask: torch.Tensor):
+    """Attention for step k of N blocks per sequence: each block's query sees the context before its anchor
+    ([B, N, L] mask) and the keys of its own steps 1..k, which accumulate across calls."""
+    ck, cv = ctx_kv  # [B, L, KVH, hd]
+    B, N, _ = ctx_mask.shape
+    steps_k, steps_v = [], []
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        steps_k.append(k.view(B, N, *k.shape[1:]))
+        steps_v.append(v.view(B, N, *v.shape[1:]))
+        n = len(steps_k)
+        own = torch.eye(N, dtype=torch.bool).repeat_interleave(n, 1)  # [N, N*n]
+        mask = torch.cat([ctx_mask, own[None].expand(B, -1, -1)], -1)[:, None]
+        keys = torch.cat([ck, torch.stack(steps_k, 2).flatten(1, 2)], 1).transpose(1, 2)
+        values = torch.cat([cv, torch.stack(steps_v, 2).flatten(1, 2)], 1).transpose(1, 2)
+        qb = q.view(B, N, *q.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B * N, -1)
+    return attend
+
+
+def eagle3_forward(model: Eagle3Model, target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
+                   anchors: AnchorBatch, temperature: float = 1.0) -> BlockOutputs:
+    """Step k reads x_{a+k-1} (the target's own token) and the previous step's hidden state (g_{a-1} for
+    the first), at position a+k-1; the context holds x_t with g_{t-1} for t < a."""
+    B, L = tokens.shape
+    rows = anchors.rows()
+    bidx = torch.arange(B)[:, None]
+    p, labels = target_side(target, tokens, feats, anchors, temperature)
+    g = model.fuse(feats.features.reshape(B * L, -1)).view(B, L, -1)
+    g_prev = torch.cat([g.new_zeros(B, 1, g.shape[-1]), g[:, :-1]], 1)
+    (k, v), = model.context_kv(tokens.flatten(), g_prev.flatten(0, 1), torch.arange(L).repeat(B))
+    ctx_mask = torch.arange(L)[None, None, :] < anchors.anchors[..., None]
+    attend = unrolled_attend((k.view(B, L, *k.shape[1:]), v.view(B, L, *v.shape[1:])), ctx_mask)
+    h = g_prev[bidx, anchors.anchors].flatten(0, 1)  # [M, d]
+    logits = []
+    for step in range(model.block_size):
+        pos = rows[..., step]
+        h = model.step(tokens[bidx, pos].flatten(), h, pos.flatten(), attend)
+        logits.append(model.draft_logits(h))
+    return BlockOutputs(torch.stack(logits, 1), None, p, labels, anchors.valid.flatten())

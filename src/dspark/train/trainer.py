@@ -23,11 +23,12 @@ from tqdm import tqdm
 
 from ..draft.checkpoint import _atomic_write, draft_config, load_drafter, save_drafter
 from ..draft.dspark_model import DSparkModel
+from ..draft.eagle3_model import Eagle3Model, eagle3_config
 from ..target.loading import load_target
 from ..target.model import TargetModel
 from .anchors import sample_anchors
 from .features import target_features
-from .forward import block_forward
+from .forward import forward_for
 from .losses import dspark_loss
 
 
@@ -37,10 +38,11 @@ class TrainConfig:
     out: str  # drafter folder (config.json, model.safetensors, train_state.pt, train_log.jsonl)
     target: str | None = None
     target_dtype: str = "bf16"
+    drafter_type: str = "dspark"  # dspark | dflash (no sequential head) | eagle3 | mtp (MTP-1)
     num_layers: int = 1
     block_size: int = 7
     markov_rank: int = 64
-    markov_head_type: str = "vanilla"  # vanilla | gated | rnn; markov_rank 0 = DFlash
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence: bool = True
     num_anchors: int = 32
     max_len: int = 512
@@ -76,17 +78,36 @@ def load_sequences(path: str, max_len: int) -> list[dict]:
     return recs
 
 
-def init_from_target(model: DSparkModel, target: TargetModel) -> None:
-    """Start the backbone from the target's last layers (same shapes), the sequential head at zero bias
-    and the confidence head at 0.5; this is what makes short CPU training runs useful."""
+DRAFTER_TYPES = ("dspark", "dflash", "eagle3", "mtp")
+
+
+def new_drafter(cfg: TrainConfig, target_config: dict) -> DSparkModel | Eagle3Model:
+    if cfg.drafter_type not in DRAFTER_TYPES:
+        raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {cfg.drafter_type!r}")
+    if cfg.drafter_type in ("eagle3", "mtp"):
+        return Eagle3Model(eagle3_config(target_config, block_size=cfg.block_size, mtp=cfg.drafter_type == "mtp",
+                                         num_anchors=cfg.num_anchors))
+    rank = 0 if cfg.drafter_type == "dflash" else cfg.markov_rank
+    return DSparkModel(draft_config(target_config, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                    markov_rank=rank, markov_head_type=cfg.markov_head_type,
+                                    confidence=cfg.confidence, num_anchors=cfg.num_anchors))
+
+
+def init_from_target(model: DSparkModel | Eagle3Model, target: TargetModel) -> None:
+    """Start the backbone from the target's last layers (same shapes; Eagle3's 2d-wide q/k/v read the
+    average of both halves), the sequential head at zero bias and the confidence head at 0.5; this is
+    what makes short CPU training runs useful."""
+    def copy_in(linear, w):
+        linear.weight.copy_(w if linear.in_features == w.shape[1] else torch.cat([w, w], 1) / 2)
+
     with torch.no_grad():
         n = len(model.layers)
         for mine, theirs in zip(model.layers, target.layers[-n:]):
             H, KVH, hd = theirs.self_attn.num_heads, theirs.self_attn.num_kv_heads, theirs.self_attn.head_dim
             q, k, v = theirs.self_attn.qkv_proj.weight.split([H * hd, KVH * hd, KVH * hd])
-            mine.self_attn.q_proj.weight.copy_(q)
-            mine.self_attn.k_proj.weight.copy_(k)
-            mine.self_attn.v_proj.weight.copy_(v)
+            copy_in(mine.self_attn.q_proj, q)
+            copy_in(mine.self_attn.k_proj, k)
+            copy_in(mine.self_attn.v_proj, v)
             mine.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight)
             gate, up = theirs.mlp.gate_up_proj.weight.chunk(2)
             mine.mlp.gate_proj.weight.copy_(gate)
@@ -94,8 +115,10 @@ def init_from_target(model: DSparkModel, target: TargetModel) -> None:
             mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight)
             mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight)
             mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight)
+            if hasattr(mine, "hidden_norm"):
+                mine.hidden_norm.weight.copy_(theirs.input_layernorm.weight)
         model.norm.weight.copy_(target.norm.weight)
-        if model.markov_head is not None:
+        if getattr(model, "markov_head", None) is not None:
             torch.nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
             torch.nn.init.zeros_(model.markov_head.markov_w2.weight)
         if model.confidence_head is not None:
@@ -120,10 +143,7 @@ class Trainer:
             self.model = load_drafter(self.out, self.target, dtype=torch.float32)
         else:
             torch.manual_seed(cfg.seed)
-            self.model = DSparkModel(draft_config(
-                self.target.config.to_dict(), num_layers=cfg.num_layers, block_size=cfg.block_size,
-                markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type, confidence=cfg.confidence,
-                num_anchors=cfg.num_anchors))
+            self.model = new_drafter(cfg, self.target.config.to_dict())
             init_from_target(self.model, self.target)
             self.model.float()
             # the frozen embedding and LM head are the target's own tensors, never copies
@@ -166,7 +186,7 @@ class Trainer:
         anchors = sample_anchors(feats.lengths, [r["start"] for r in recs], self.cfg.num_anchors,
                                  self.model.block_size, gens)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
-            out = block_forward(self.model, self.target, tokens, feats, anchors)
+            out = forward_for(self.model)(self.model, self.target, tokens, feats, anchors)
         return dspark_loss(out.logits, out.p, out.labels, out.conf_logits, out.valid)
 
     def train_step(self) -> dict:

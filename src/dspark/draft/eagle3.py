@@ -1,0 +1,51 @@
+"""The Eagle3-style drafter (and MTP-1) behind the Drafter interface: γ sequential one-layer forwards, each
+feeding its hidden state and sampled token to the next; every draft is sampled from exactly the q returned."""
+from __future__ import annotations
+
+import torch
+
+from ..sampling import param_tensors, sample, warp
+from ..target.model import FlatBatch
+from .base import Proposal
+from .context_cache import ContextCacheDrafter
+from .eagle3_model import Eagle3Model
+
+
+class Eagle3Drafter(ContextCacheDrafter):
+    model: Eagle3Model
+
+    def __init__(self, model: Eagle3Model, max_model_len: int = 8192):
+        super().__init__(model, max_model_len)
+        self.last_g: dict[str, torch.Tensor] = {}  # request id -> fused feature of its newest context position
+
+    @torch.inference_mode()
+    def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        for req, toks, feats in zip(requests, tokens, features):
+            g = self.model.fuse(feats)
+            first = self.last_g.get(req.request_id, g.new_zeros(1, g.shape[1]))  # g_{-1} = 0 at position 0
+            g_prev = torch.cat([first, g[:-1]])
+            positions = self.context_positions(req, len(toks))
+            self.store_context(req, self.model.context_kv(toks, g_prev, positions))
+            self.last_g[req.request_id] = g[-1:]
+
+    @torch.inference_mode()
+    def propose(self, requests: list) -> Proposal:
+        R, G, m = len(requests), self.gamma, self.model
+        prev = torch.tensor([r.last_token for r in requests])
+        positions = torch.tensor([self.context_len[r.request_id] for r in requests])
+        g = torch.cat([self.last_g[r.request_id] for r in requests])
+        self.cache.reserve(requests[-1].slot + 1, int(positions.max()) + G)
+        params = param_tensors([r.params for r in requests])
+        u = torch.stack([r.uniforms(G) for r in requests])
+        tokens = torch.zeros(R, G, dtype=torch.long)
+        q = torch.empty(R, G, m.c.vocab_size)
+        for k in range(G):
+            batch = FlatBatch(prev, positions + k, [1] * R, slot_start=requests[0].slot)
+            g = m.step(prev, g, batch.positions, self.attend(batch))
+            q[:, k] = warp(m.draft_logits(g), *params)
+            tokens[:, k] = prev = sample(q[:, k], u[:, k])
+        return Proposal(tokens, q, torch.full((R,), G))
+
+    def release(self, request, moved_from: int | None = None) -> None:
+        super().release(request, moved_from)
+        self.last_g.pop(request.request_id, None)
