@@ -92,3 +92,27 @@ def test_seeded_sampling_is_reproducible(make_llm, chat_ids, drafter):
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert alone.token_ids == first[0].token_ids
     assert other_seed.token_ids != first[0].token_ids
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0], ids=["flat", "typical", "peaky"])
+def test_windowed_top_p_top_k_equals_the_full_sort(spread):
+    """The topk-window fast path cuts exactly where sorting the whole row cuts, for peaky rows (decided in
+    the window), flat rows (the nucleus spills out of it: full sort) and top-k with ties at the k-th value
+    beyond the window."""
+    from dspark.sampling import _filter
+
+    g = torch.Generator().manual_seed(int(spread * 10))
+    V, n = 5000, 48
+    logits = torch.randn(n, V, generator=g) * spread
+    logits[:8] = logits[:8].round()  # many ties
+    logits[8:12, :400] = 50.0  # the k-th value tied far past the window
+    top_p = torch.rand(n, generator=g).clamp(min=0.05)
+    top_p[::4] = 1.0
+    top_k = torch.randint(0, 300, (n,), generator=g) * (torch.rand(n, generator=g) < 0.5)
+    top_k[8:12] = torch.tensor([1, 5, 100, 0])
+    top_p[::4] = torch.where(top_k[::4] == 0, 0.9, 1.0)
+    # the window's top-k mass would miss most of a tie group at the k-th value and stop top-p too early
+    logits[13, :10], logits[13, 10:410], top_k[13], top_p[13] = 52.0, 50.0, 100, 0.18
+    fast, whole = _filter(logits, top_p, top_k, window=16), _filter(logits, top_p, top_k, window=V)
+    assert torch.equal(fast.isfinite(), whole.isfinite())
+    assert 0 < int(fast.isfinite().sum(-1).min()) and int(fast.isfinite().sum(-1).max()) < V

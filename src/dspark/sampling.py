@@ -66,23 +66,48 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
     filt = ((top_k > 0) | (top_p < 1)) & ~greedy
     if filt.any():
         rows = filt.nonzero().squeeze(1)
-        sub = scaled[rows]
-        sorted_logits, _ = sub.sort(-1, descending=True)
-        k = torch.where(top_k[rows] > 0, top_k[rows], sub.shape[-1]).clamp(max=sub.shape[-1])
-        kth = sorted_logits.gather(-1, (k - 1)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        sorted_probs = sorted_logits.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        keep = mass_before < top_p[rows][:, None]
-        keep[:, 0] = True
-        # smallest kept logit is the threshold; ties with it are kept
-        threshold = torch.where(keep, sorted_logits, float("inf")).min(-1, keepdim=True).values
-        scaled[rows] = sub.masked_fill(sub < torch.maximum(threshold, kth), float("-inf"))
+        scaled[rows] = _filter(scaled[rows], top_p[rows], top_k[rows])
     probs = scaled.softmax(-1)
     if greedy.any():
         rows = greedy.nonzero().squeeze(1)
         probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).float()
     return probs
+
+
+def _filter(sub: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, window: int = 256) -> torch.Tensor:
+    """Top-k then top-p on rows of scaled logits [n, V]; dropped tokens become -inf.
+
+    The cut almost always falls among the few hundred most likely tokens, so only those are sorted
+    (torch.topk); a row whose cut the window does not decide takes the full sort."""
+    V = sub.shape[-1]
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    W = min(V, max(window, int(top_k.max()) + 1))
+    cut = torch.empty(len(sub), 1)
+    decided = torch.zeros(len(sub), dtype=torch.bool)
+    if W < V:
+        cut, decided = _cut(sub.topk(W, -1).values, k, top_p, sub.logsumexp(-1, keepdim=True))
+    rest = (~decided).nonzero().squeeze(1)
+    if len(rest):
+        whole = sub[rest].sort(-1, descending=True).values
+        cut[rest] = _cut(whole, k[rest], top_p[rest], whole.logsumexp(-1, keepdim=True))[0]  # whole row: exact
+    return sub.masked_fill(sub < cut, float("-inf"))
+
+
+def _cut(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor):
+    """From the W largest logits of each row (vals [n, W], descending; W = V is the whole row) and the row's
+    logsumexp: the cut [n, 1] (logits below it are dropped) and whether the window decides it [n]."""
+    W = vals.shape[-1]
+    topk_on = k <= W  # within a window smaller than V: top-k is active and its k-th value is in view
+    kth = torch.where(topk_on[:, None], vals.gather(-1, (k.clamp(max=W) - 1)[:, None]), float("-inf"))
+    probs = torch.exp(vals - lse).masked_fill(vals < kth, 0.0)
+    probs = torch.where(topk_on[:, None], probs / probs.sum(-1, keepdim=True), probs)  # top-k renormalises
+    mass_before = probs.cumsum(-1) - probs
+    keep = mass_before < top_p[:, None]
+    keep[:, 0] = True
+    threshold = torch.where(keep, vals, float("inf")).min(-1, keepdim=True).values
+    # decided: top-k cuts inside the window (no tie with the k-th value beyond it), or top-p stops inside it
+    decided = torch.where(topk_on, vals[:, -1] < kth[:, 0], ~keep[:, -1])
+    return torch.maximum(threshold, kth), decided
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
