@@ -202,6 +202,39 @@ def add_train_parser(sub):
     tr.set_defaults(func=cmd_train)
 
 
+def cmd_serve(args) -> int:
+    from . import LLM
+    from .serve.app import serve
+
+    llm = LLM(args.target, drafter=args.drafter, scheduler=args.scheduler, gamma=args.gamma, dtype=args.dtype,
+              threads=args.threads, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    return serve(llm, args.host, args.port, args.model_name, args.max_waiting, args.default_max_tokens,
+                 args.graceful_seconds)
+
+
+def add_serve_parser(sub):
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)",
+                        description="Serve the target (with the drafter and scheduler) behind an OpenAI-compatible "
+                                    "API: POST /v1/chat/completions and /v1/completions (stream or not; top_k as an "
+                                    "extension), GET /v1/models, /health and /metrics (Prometheus). All connections "
+                                    "share one engine loop, so concurrent requests are batched together. SIGINT or "
+                                    "SIGTERM stops accepting, lets running requests finish (--graceful-seconds), "
+                                    "cancels the rest and exits 0.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sv.add_argument("--model-name", default="dspark", help="the model id clients send (default: %(default)s)")
+    sv.add_argument("--max-num-seqs", type=int, default=64,
+                    help="requests decoding at once, the batch limit (default: %(default)s)")
+    sv.add_argument("--max-waiting", type=int, default=256,
+                    help="requests queued beyond the running ones; more get 429 (default: %(default)s)")
+    sv.add_argument("--default-max-tokens", type=int, default=256,
+                    help="max_tokens when a request gives none (capped by the context) (default: %(default)s)")
+    sv.add_argument("--graceful-seconds", type=float, default=30.0,
+                    help="on shutdown, how long running requests may finish (default: %(default)s)")
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: faster generation, "
                                      "same output distribution as the target model.")
@@ -218,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_regenerate_parser(sub)
     add_train_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

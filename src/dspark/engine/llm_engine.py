@@ -49,6 +49,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, on_output=None) -> Request:
+        req = self.new_request(prompt, params, request_id, on_output)
+        self.waiting.append(req)
+        return req
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, on_output=None) -> Request:
+        """A checked request, not yet queued (a server builds it on its own thread, then hands it over)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -62,7 +69,6 @@ class LLMEngine:
         req = Request(ids, params, on_output=on_output)
         if request_id is not None:
             req.request_id = request_id
-        self.waiting.append(req)
         return req
 
     def abort(self, request_id: str) -> bool:

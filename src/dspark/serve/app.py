@@ -1,0 +1,228 @@
+"""`dspark serve`: an OpenAI-compatible HTTP API (FastAPI + uvicorn) on one shared engine loop.
+
+POST /v1/chat/completions and /v1/completions (streaming with server-sent events, or not), GET /v1/models,
+/health and /metrics (Prometheus). Errors use OpenAI's shape and never carry a stack trace; over the
+limits the answer is 429; prompt plus max_tokens over the context is 400; a client that goes away has
+its request aborted at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..engine.llm import LLM
+from ..engine.request import RequestOutput
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, Overloaded, Stream
+from .metrics import Metrics
+from .protocol import ChatRequest, CompletionRequest, SamplingFields, error_response
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, default_max_tokens: int = 256) -> FastAPI:
+    engine = llm.engine
+    metrics = Metrics()
+    loop_engine = AsyncEngine(engine, max_waiting, metrics)
+    max_len = engine.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop_engine.start()
+        yield
+        await asyncio.to_thread(loop_engine.shutdown)
+
+    app = FastAPI(title="dspark", lifespan=lifespan)
+    app.state.engine = loop_engine
+
+    # ---- errors --------------------------------------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", code="invalid_json")
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request, exc: BadRequest):
+        return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request, exc: Overloaded):
+        return error_response(429, str(exc), type_="rate_limit_error", code="overloaded")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return error_response(exc.status_code, str(exc.detail), type_="invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc: Exception):  # never a stack trace to the client
+        return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def sampling(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+        if body.model != model_name:
+            raise BadRequest(f"model {body.model!r} does not exist; this server serves {model_name!r}",
+                             param="model", status=404, code="model_not_found")
+        room = max_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = max(1, min(default_max_tokens, room))
+        if len(prompt_ids) + max_tokens > max_len:
+            raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"context of {max_len} tokens", param="max_tokens", code="context_length_exceeded")
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              max_tokens=max_tokens, seed=body.seed, stop=body.stop or [])
+
+    def submit(prompt_ids: list[int], params: SamplingParams) -> Stream:
+        try:
+            return loop_engine.submit(prompt_ids, params)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def collect(stream: Stream, request: Request) -> RequestOutput:
+        """Wait for the whole answer; abort if the client leaves first."""
+        final = None
+        try:
+            while final is None:
+                try:
+                    out = await asyncio.wait_for(stream.outputs.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError from None
+                    continue
+                final = out if out.finished else None
+        finally:
+            if final is None:
+                loop_engine.abort(stream.request_id)
+        if final.finish_reason == "error":
+            raise RuntimeError(final.error)
+        return final
+
+    def usage(out: RequestOutput, prompt_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+                "total_tokens": prompt_tokens + len(out.token_ids)}
+
+    def sse(stream: Stream, chunk, include_usage: bool):
+        """Server-sent events from chunk(delta, finish_reason) dicts; aborts the request on disconnect."""
+        async def events():
+            finished = False
+            try:
+                first = True
+                async for out in stream:
+                    if out.finish_reason == "error":
+                        finished = True
+                        yield f"data: {json.dumps({'error': {'message': out.error, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                        break
+                    if out.delta or first or out.finished:
+                        yield f"data: {json.dumps(chunk(out.delta, out.finish_reason if out.finished else None, first))}\n\n"
+                        first = False
+                    if out.finished:
+                        finished = True
+                        if include_usage:
+                            yield f"data: {json.dumps({**chunk(None, None, False), 'choices': [], 'usage': usage(out, stream.prompt_tokens)})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:
+                    loop_engine.abort(stream.request_id)
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        try:
+            prompt_ids = llm.chat_prompt([m.model_dump() for m in body.messages])
+        except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
+            raise BadRequest(f"messages: the chat template rejected them ({exc})", param="messages") from None
+        params = sampling(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
+        stream = submit(prompt_ids, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            def chunk(delta, finish, first):
+                d = {} if delta is None else ({"role": "assistant", "content": delta} if first else {"content": delta})
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                        "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+            return sse(stream, chunk, body.include_usage)
+        out = await collect(stream, request)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "finish_reason": out.finish_reason}],
+                "usage": usage(out, stream.prompt_tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt_ids = (list(body.prompt) if isinstance(body.prompt, list) else
+                      llm.tokenizer.encode(body.prompt, add_special_tokens=False))
+        params = sampling(body, prompt_ids, body.max_tokens)
+        stream = submit(prompt_ids, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            def chunk(delta, finish, first):
+                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                        "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+            return sse(stream, chunk, body.include_usage)
+        out = await collect(stream, request)
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+                "usage": usage(out, stream.prompt_tokens)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark",
+                                            "max_model_len": max_len}]}
+
+    @app.get("/health")
+    async def health():
+        if loop_engine.error is not None or not loop_engine.thread.is_alive():
+            return JSONResponse({"status": "error", "detail": "the engine loop has stopped"}, 503)
+        return {"status": "ok", "in_flight": loop_engine.in_flight()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.waiting.set(len(engine.waiting))
+        metrics.running.set(len(engine.running))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dspark", max_waiting: int = 256,
+          default_max_tokens: int = 256, graceful_seconds: float = 30.0) -> int:
+    """Run until SIGINT/SIGTERM: stop accepting, let running requests finish for up to graceful_seconds,
+    cancel the rest, exit 0."""
+    app = build_app(llm, model_name, max_waiting, default_max_tokens)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=graceful_seconds)
+    GracefulServer(config).run()
+    return 0
+
+
+class GracefulServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT/SIGTERM start uvicorn's graceful shutdown; unlike uvicorn's own handler, the signal is not
+        raised again afterwards, so a clean shutdown exits 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)

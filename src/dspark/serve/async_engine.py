@@ -1,0 +1,147 @@
+"""One engine loop shared by every connection: the engine steps on its own thread, so the event loop never
+blocks, and all concurrent HTTP requests are batched together.
+
+Requests are built and checked on the caller's thread (`LLMEngine.new_request`), handed to the engine
+thread through a queue, and their outputs come back through an asyncio queue per request. Cancelling a
+stream (a client that disconnects) aborts the request on the engine thread, which frees its KV slot and
+drafter state at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import RequestOutput
+from ..sampling import SamplingParams
+from .metrics import Metrics
+
+
+class Overloaded(Exception):
+    """More requests in flight than the server admits (running plus waiting)."""
+
+
+@dataclass
+class Stream:
+    request_id: str
+    prompt_tokens: int
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+    async def __aiter__(self):
+        while True:
+            out: RequestOutput = await self.outputs.get()
+            yield out
+            if out.finished:
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, metrics: Metrics | None = None):
+        self.engine = engine
+        self.max_in_flight = engine.config.max_num_seqs + max_waiting
+        self.metrics = metrics or Metrics()
+        self.commands: queue.Queue = queue.Queue()
+        self.streams: dict[str, Stream] = {}  # requests in flight, owned by the engine thread once added
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- caller side (event loop thread) ---------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
+        """Check and queue a request; raises ValueError (bad input) or Overloaded (over the limits)."""
+        if self.stopping.is_set():
+            raise Overloaded("the server is shutting down")
+        req = self.engine.new_request(prompt_ids, params)
+        stream = Stream(req.request_id, len(req.prompt_ids), asyncio.Queue(), asyncio.get_running_loop())
+        with self.lock:
+            if len(self.streams) >= self.max_in_flight:
+                self.metrics.rejected.labels("overloaded").inc()
+                raise Overloaded(f"the server has {len(self.streams)} requests in flight (limit "
+                                 f"{self.max_in_flight}: {self.engine.config.max_num_seqs} running plus the waiting "
+                                 f"queue); retry later")
+            self.streams[req.request_id] = stream
+        self.commands.put(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self.streams)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel what still runs and stop the loop thread."""
+        self.stopping.set()
+        self.commands.put(("stop", None))
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                try:  # idle: wait for work; busy: only look
+                    busy = self.engine.has_unfinished()
+                    self._handle(*(self.commands.get_nowait() if busy else self.commands.get(timeout=0.5)))
+                except queue.Empty:
+                    pass
+                while not self.commands.empty():
+                    self._handle(*self.commands.get_nowait())
+                if self.stopping.is_set():
+                    for request_id in list(self.streams):
+                        self._abort(request_id)
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as exc:  # never leave clients waiting forever
+            self.error = exc
+            for request_id in list(self.streams):
+                self._abort(request_id, reason="error", error=f"engine loop failed: {exc}")
+            raise
+
+    def _handle(self, kind: str, value) -> None:
+        if kind == "add":
+            if value.request_id in self.streams:  # not cancelled while queued
+                self.engine.waiting.append(value)
+        elif kind == "abort":
+            self._abort(value)
+        # "stop": the loop checks self.stopping
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        st = self.engine.stats[-1] if self.engine.stats else None
+        self.metrics.observe_step(elapsed, st, len(self.engine.waiting), len(self.engine.running))
+        for out in outputs:
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            with self.lock:
+                self.streams.pop(out.request_id, None)
+            self.metrics.observe_finished(out)
+        try:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+        except RuntimeError:  # its event loop is gone (server stopped): nobody is waiting
+            pass
+
+    def _abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+        self.engine.abort(request_id)
+        out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
+        self._deliver(out)

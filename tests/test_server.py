@@ -1,0 +1,276 @@
+"""`dspark serve` on loopback, called with the official `openai` client as users call it: chat and
+completions, streaming and not, stop strings, seeds, usage counts; greedy answers equal `dspark generate`;
+bad input gets OpenAI-shaped 4xx errors and the server keeps serving; a dropped stream leaves nothing
+running or held; 429 over the limits; SIGTERM shuts down cleanly with exit code 0.
+
+The server runs the bundled SmolLM2 (bf16, prompt lookup, as the CLI defaults) in a thread of this process,
+so the tests can look at the engine's state directly.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx  # the HTTP client the openai package ships on
+import openai
+import pytest
+import uvicorn
+
+from dspark import LLM
+from dspark.cli import main as cli_main
+from dspark.serve.app import build_app
+
+MODEL = "smollm2"
+PROMPTS = ["What is 12 times 7? Answer briefly.", "Name three colors of the rainbow."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float = 30.0, every: float = 0.05):
+    end = time.time() + timeout
+    while time.time() < end:
+        if check():
+            return True
+        time.sleep(every)
+    return False
+
+
+class Server:
+    def __init__(self, llm: LLM, max_waiting: int):
+        self.llm = llm
+        self.app = build_app(llm, MODEL, max_waiting=max_waiting, default_max_tokens=32)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+
+    @property
+    def loop_engine(self):
+        return self.app.state.engine
+
+    def idle(self) -> bool:
+        e = self.llm.engine
+        return not e.running and not e.waiting and self.loop_engine.in_flight() == 0 and e.cache.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(LLM(dtype="bf16", drafter="prompt-lookup", max_num_seqs=4), max_waiting=2)
+    srv.thread.start()
+    assert wait_until(lambda: srv.uvicorn.started, 60)
+    yield srv
+    srv.uvicorn.should_exit = True
+    srv.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy_chat(client, prompt: str, max_tokens: int = 24, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          temperature=0, max_tokens=max_tokens, **kw)
+
+
+# ---- the API as clients use it ----------------------------------------------------------------------
+def test_chat_completion_with_usage(client, server):
+    r = greedy_chat(client, PROMPTS[0], max_tokens=12)
+    assert r.object == "chat.completion" and r.model == MODEL
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    prompt_ids = server.llm.chat_prompt(PROMPTS[0])
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 12
+
+
+def test_completion_with_usage_and_token_prompt(client, server):
+    text = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=text, temperature=0, max_tokens=8)
+    assert r.object == "text_completion" and r.choices[0].text
+    ids = server.llm.tokenizer.encode(text, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens <= 8
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
+    assert by_ids.choices[0].text == r.choices[0].text
+
+
+def test_streaming_equals_non_streaming(client):
+    whole = greedy_chat(client, PROMPTS[1])
+    chunks = list(greedy_chat(client, PROMPTS[1], stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16)
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=16,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+def test_stop_strings(client):
+    full = greedy_chat(client, PROMPTS[1], max_tokens=32).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = greedy_chat(client, PROMPTS[1], max_tokens=32, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    streamed = greedy_chat(client, PROMPTS[1], max_tokens=32, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:full.index(stop)]
+
+
+def test_seeds_are_reproducible(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                              temperature=1.0, top_p=0.95, seed=seed, max_tokens=20,
+                                              extra_body={"top_k": 50}).choices[0].message.content
+    a, b = sample(7), sample(7)
+    assert a == b
+    assert len({a, sample(8), sample(9)}) > 1
+
+
+def test_greedy_answers_equal_dspark_generate(client):
+    for prompt in PROMPTS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["generate", "--quiet", "--max-tokens", "24", prompt]) == 0
+        assert greedy_chat(client, prompt).choices[0].message.content == out.getvalue()[:-1]  # less the newline
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dspark_requests_total", "dspark_generation_tokens_total", "dspark_waiting_requests",
+                 "dspark_running_requests", "dspark_step_seconds_bucket", "dspark_verify_batch_tokens_bucket",
+                 "dspark_acceptance_length_bucket", "dspark_drafts_verified_per_step_bucket"):
+        assert name in text, name
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+BAD = [
+    ("malformed json", b'{"model": "smollm2", "messages": [', 400),
+    ("missing messages", {"model": MODEL}, 400),
+    ("missing model", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("wrong type", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400),
+    ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, 400),
+    ("top_p out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+    ("n > 1", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("empty message list", {"model": MODEL, "messages": []}, 400),
+    ("unknown role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_chat_input_gets_a_clear_4xx(server, name, body, status):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("body", [{"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": [10**9]},
+                                  {"model": MODEL, "prompt": "hi", "max_tokens": 0}])
+def test_bad_completion_input_gets_a_clear_400(server, body):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_server_keeps_serving_after_bad_input(server, client):
+    for _, body, _ in BAD[:4]:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        httpx.post(server.url + "/v1/chat/completions", timeout=30, **kw)
+    assert greedy_chat(client, PROMPTS[0], max_tokens=4).choices[0].message.content
+    assert wait_until(server.idle)
+
+
+# ---- disconnects and limits ---------------------------------------------------------------------------
+def metric(server, line_start: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_dropped_stream_frees_its_request(server):
+    aborted = metric(server, 'dspark_requests_total{finish_reason="abort"}')
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert server.llm.engine.running  # generating right now
+    assert wait_until(server.idle, 30), "the dropped request is still running"
+    drafter = server.llm.engine.drafter
+    assert getattr(drafter, "context_len", {}) == {}
+    assert metric(server, "dspark_running_requests") == 0
+    assert metric(server, 'dspark_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_over_the_limit_the_answer_is_429(server, client):
+    """4 running plus 2 waiting fit; the 7th request in flight is refused, then the server recovers."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
+            "max_tokens": 300, "temperature": 0, "stream": True}
+    with contextlib.ExitStack() as stack:
+        for _ in range(6):
+            r = stack.enter_context(httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60))
+            assert r.status_code == 200
+        over = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=30)
+        assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error"
+    assert wait_until(server.idle, 30)
+    assert greedy_chat(client, PROMPTS[0], max_tokens=4).choices[0].message.content
+
+
+# ---- shutdown -----------------------------------------------------------------------------------------
+def test_sigterm_finishes_running_requests_and_exits_zero(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--model-name", MODEL,
+                             "--drafter", "none", "--graceful-seconds", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        assert wait_until(up, 120, 0.25), proc.stdout.read1().decode() if proc.poll() is not None else "no server"
+        body = {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 40, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            events.append(next(lines))
+            proc.send_signal(signal.SIGTERM)
+            events += [e for e in lines if e]
+        assert events[-1] == "data: [DONE]"  # the running request finished
+        finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events if e.startswith("data: {")]
+        assert finals[-1] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
