@@ -7,7 +7,8 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from ..draft import make_drafter
 from ..sampling import SamplingParams
-from ..schedule import make_scheduler
+from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler
+from ..schedule.profile import cached_profile
 from ..target.loading import load_target
 from .llm_engine import LLMEngine
 from .request import RequestOutput
@@ -17,12 +18,15 @@ class LLM:
     """Load a target (and a drafter), then generate for many prompts with continuous batching.
 
     target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
-    in the local cache. drafter: "none", "prompt-lookup", a DSpark/DFlash drafter folder or a Drafter. scheduler: "fixed" or a Scheduler.
+    in the local cache. drafter: "none", "prompt-lookup", a drafter folder (DSpark, DFlash, Eagle3-style) or a
+    Drafter. scheduler: "fixed", "plain", "threshold", "algorithm1", "async" or a Scheduler; the last two cost
+    steps with an SPS(B) table: `cost_table` (a file from `dspark profile`), else one profiled for this
+    target, drafter and machine at first use and cached.
     """
 
     def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
                  dtype: str = "bf16", max_num_seqs: int = 64, max_model_len: int | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, cost_table: str | CostTable | None = None, threshold: float = 0.5):
         self.config = EngineConfig(target=target, dtype=dtype, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, threads=threads)
         if threads:
@@ -30,7 +34,11 @@ class LLM:
         model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype)
         max_len = max_model_len or model.config.max_position_embeddings
         self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len),
-                                make_scheduler(scheduler, gamma=gamma), self.config)
+                                FixedLength(gamma), self.config)
+        if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
+            key = (str(self.target_path), str(drafter), dtype, max_num_seqs, torch.get_num_threads())
+            cost_table = CostTable.load(cost_table) if cost_table else cached_profile(self.engine, key)
+        self.engine.scheduler = make_scheduler(scheduler, gamma=gamma, cost=cost_table, threshold=threshold)
 
     def chat_prompt(self, messages: list[dict] | str) -> list[int]:
         """Token ids of a conversation (or one user message) under the target's chat template."""

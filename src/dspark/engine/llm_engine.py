@@ -14,6 +14,7 @@ from ..config import EngineConfig
 from ..draft.base import Drafter, NoDrafter, Proposal
 from ..sampling import SamplingParams, param_tensors, sample, warp
 from ..schedule.base import FixedLength, Scheduler
+from ..schedule.survival import expected_tau, prefix_survival
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, TargetModel
 from ..verify import rejection_sample
@@ -39,6 +40,7 @@ class LLMEngine:
         self.running: list[Request] = []  # running[i].slot == i
         self.stats: deque[StepStats] = deque(maxlen=100_000)
         self.max_prefill_tokens = 4096
+        self.record_confidence = False  # keep each step's c[R, γ] in its stats (calibration reads them)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -102,6 +104,7 @@ class LLMEngine:
                 outputs += self._fail(reqs, exc)
             st.t_total = time.perf_counter() - t0
             self.stats.append(st)
+            self.scheduler.observe(st)
         self._release([r for r in self.running if r.finished])
         return outputs
 
@@ -125,6 +128,9 @@ class LLMEngine:
         st.t_sample = time.perf_counter() - t
         st.num_requests, st.verify_tokens = len(reqs), int(batch.tokens.numel())
         st.drafted, st.verified, st.accepted = proposal.lengths.tolist(), lengths.tolist(), accepted
+        if proposal.confidence is not None:
+            st.expected_tau = expected_tau(prefix_survival(proposal.confidence, proposal.lengths), lengths)
+            st.confidence = proposal.confidence.tolist() if self.record_confidence else None
         for req, n, v in zip(reqs, accepted, st.verified):
             req.drafts_verified += v
             req.drafts_accepted += n

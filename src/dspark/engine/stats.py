@@ -11,7 +11,8 @@ class StepStats:
     drafted: list[int] = field(default_factory=list)  # drafts proposed per request
     verified: list[int] = field(default_factory=list)  # ℓ_r
     accepted: list[int] = field(default_factory=list)  # accepted drafts per request
-    expected_tau: float | None = None  # the scheduler's prediction of Σ_r (1 + accepted), when it makes one
+    expected_tau: float | None = None  # Σ_r (1 + Σ_{j<=ℓ_r} a_rj): the confidences' prediction of self.tokens
+    confidence: list[list[float]] | None = None  # c[R, γ], when the engine records it
     prefill_tokens: int = 0
     t_prefill: float = 0.0  # seconds
     t_draft: float = 0.0

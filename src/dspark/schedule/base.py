@@ -7,13 +7,20 @@ from ..draft.base import Proposal
 
 
 class Scheduler:
+    name = "scheduler"
+
     def plan(self, proposal: Proposal) -> torch.Tensor:
         """ℓ_r per request, 0 <= ℓ_r <= proposal.lengths[r]."""
         raise NotImplementedError
 
+    def observe(self, st) -> None:
+        """The finished step's statistics (StepStats): measured time, B, R (for online cost correction)."""
+
 
 class FixedLength(Scheduler):
-    """Verify up to gamma drafts of every request (the usual speculative decoding)."""
+    """Verify up to gamma drafts of every request (the usual speculative decoding); 0 is plain decoding."""
+
+    name = "fixed"
 
     def __init__(self, gamma: int | None = None):
         if gamma is not None and gamma < 0:

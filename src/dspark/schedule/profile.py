@@ -1,0 +1,109 @@
+"""`dspark profile`: measure this engine's step time as a function of B on this machine, for the loaded
+target and drafter: verify forward + LM head + sampling + rejection for B tokens, and one drafter call for
+R requests. Requests with random prompts are admitted to the engine, measured, then aborted; the KV
+positions written during measuring are past every committed position and are overwritten later.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+from tqdm import tqdm
+
+from ..engine.llm_engine import LLMEngine
+from ..target.loading import cache_root
+from ..sampling import SamplingParams, param_tensors, warp
+from ..verify import rejection_sample
+from .cost_table import CostTable
+
+DEFAULT_SIZES = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def profile_engine(engine: LLMEngine, max_requests: int = 64, context: int = 128, repeats: int = 3,
+                   sizes=DEFAULT_SIZES, progress: bool = True, seed: int = 0) -> CostTable:
+    if engine.has_unfinished():
+        raise ValueError("profile an idle engine (requests are running)")
+    gamma = engine.drafter.gamma
+    per_request = gamma + 1
+    max_requests = min(max_requests, engine.config.max_num_seqs)
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.target.config.vocab_size
+    params = SamplingParams(temperature=1.0, max_tokens=10**6, ignore_eos=True, seed=seed)
+    reqs = [engine.add_request(torch.randint(100, vocab, (context,), generator=g).tolist(), params)
+            for _ in range(max_requests)]
+    try:
+        engine.step()  # prefill: every request now has a committed context and a first token
+        sizes = [b for b in sizes if b <= max_requests * per_request]
+        drafter_counts = sorted({min(max_requests, 2 ** i) for i in range(int(math.log2(max_requests)) + 1)})
+        bar = tqdm(total=len(sizes) + len(drafter_counts), desc="profile", disable=not progress)
+        verify_seconds = []
+        for B in sizes:
+            R = math.ceil(B / per_request)
+            lengths = torch.tensor([per_request - 1] * (B // per_request) + ([B % per_request - 1] if B % per_request else []))
+            verify_seconds.append(_median_time(lambda: _verify(engine, reqs[:R], lengths), repeats))
+            bar.update()
+        draft_seconds = []
+        for R in drafter_counts:
+            draft_seconds.append(_median_time(lambda: engine.drafter.propose(reqs[:R]), repeats) if gamma else 0.0)
+            bar.update()
+        bar.close()
+    finally:
+        for req in reqs:
+            engine.abort(req.request_id)
+    meta = {"machine": machine(), "dtype": str(engine.target.dtype).removeprefix("torch."),
+            "target": getattr(engine.target.config, "_name_or_path", "") or engine.target.config.model_type,
+            "drafter": type(engine.drafter).__name__, "gamma": gamma, "context": context, "repeats": repeats,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return CostTable(list(sizes), verify_seconds, drafter_counts if gamma else [], draft_seconds if gamma else [], meta)
+
+
+def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
+    """One verify step's work for these requests, nothing committed: forward, LM head, warp, rejection."""
+    R = len(reqs)
+    G = max(int(lengths.max()), 0)
+    drafts = torch.randint(100, engine.target.config.vocab_size, (R, G))
+    batch = engine._verify_batch(reqs, drafts, lengths)
+    out = engine.target(batch, engine.cache)
+    p = warp(engine.target.logits(out.hidden), *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
+    u = torch.rand(R, G + 1)
+    rejection_sample(p, batch.starts, drafts, None, lengths, u[:, :G], u[:, G])
+
+
+def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
+    """The cost table for this engine and machine from ~/.cache/dspark/profiles, profiled (about a minute)
+    and saved there the first time."""
+    digest = hashlib.sha256(repr((*key, machine()["cpu"])).encode()).hexdigest()[:16]
+    path = cache_root() / "profiles" / f"{digest}.json"
+    if path.is_file():
+        return CostTable.load(path)
+    print(f"profiling step times for the scheduler (once; cached at {path})", flush=True)
+    table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return CostTable.load(table.save(path))

@@ -1,0 +1,257 @@
+"""Confidence-scheduled verification (METHOD.md §4–5): Appendix A's counterexample as a statistical test,
+properties of Algorithm 1 and the asynchronous scheduler (hypothesis), the cost table (rounding up,
+online correction, staircase detection, files), and the engine's losslessness with every scheduler.
+
+Sections: Appendix A | properties | cost table | engine.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stats_utils import g_test
+from tiny_models import BLOCK, one_thread, tiny_drafter, tiny_target, tiny_target_dir
+
+from dspark import LLM, SamplingParams
+from dspark.draft.base import Proposal
+from dspark.draft.dspark import DSparkDrafter
+from dspark.schedule import (AsyncBudgetScheduler, CostTable, FixedLength, PrefixScheduler, Scheduler,
+                             ThresholdScheduler, make_scheduler)
+from dspark.schedule.async_budget import global_budget
+from dspark.schedule.prefix import algorithm1
+from dspark.schedule.survival import expected_tau, prefix_survival, ranked_candidates, top_k_lengths
+from dspark.verify import rejection_sample
+
+__all__ = ["one_thread", "tiny_target", "tiny_target_dir"]
+
+# ---- Appendix A -------------------------------------------------------------------------------------
+APPENDIX_A = CostTable.from_sps({1: 1.0, 2: 0.5, 3: 0.45})
+P_TARGET, Q_DRAFT = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])  # two tokens: A = 0, B = 1
+
+
+class SearchWithoutEarlyStop(Scheduler):
+    """The biased variant: Algorithm 1's ranking, but it takes the best Θ over all candidates."""
+
+    def __init__(self, cost: CostTable):
+        self.cost = cost
+
+    def plan(self, proposal: Proposal) -> torch.Tensor:
+        a = prefix_survival(proposal.confidence, proposal.lengths)
+        R = a.shape[0]
+        lengths, best, best_lengths, B, tau = [0] * R, R * self.cost.sps(R, R), [0] * R, R, float(R)
+        for r, j, s in zip(*(x.tolist() for x in ranked_candidates(a))):
+            lengths[r], B, tau = j, B + 1, tau + s
+            if tau * self.cost.sps(B, R) > best:
+                best, best_lengths = tau * self.cost.sps(B, R), list(lengths)
+        return torch.tensor(best_lengths)
+
+
+def first_tokens(scheduler: Scheduler, n: int, seed: int) -> np.ndarray:
+    """Counts of A and B as the first emitted token over n cycles: drafts x1, x2 ~ q, c1 = 0.8, and c2
+    reads x1 (1.0 after A, 0.01 after B), the rule that lets a search past the stop verify A and drop B."""
+    g = torch.Generator().manual_seed(seed)
+    q = Q_DRAFT.expand(1, 2, 2)
+    p = P_TARGET.expand(3, 2)
+    counts = np.zeros(2, dtype=np.int64)
+    for _ in range(n):
+        drafts = torch.multinomial(Q_DRAFT, 2, replacement=True, generator=g)[None]
+        c2 = 1.0 if int(drafts[0, 0]) == 0 else 0.01
+        proposal = Proposal(drafts, q, torch.tensor([2]), torch.tensor([[0.8, c2]]))
+        lengths = scheduler.plan(proposal).long()
+        u = torch.rand(1, 3, generator=g)
+        verdict = rejection_sample(p[:1 + int(lengths[0])], torch.tensor([0]), drafts, q, lengths, u[:, :2], u[:, 2])
+        first = int(drafts[0, 0]) if int(verdict.num_accepted[0]) > 0 else int(verdict.next_token[0])
+        counts[first] += 1
+    return counts
+
+
+N_APPENDIX = 20_000
+
+
+def test_appendix_a_search_without_early_stop_is_biased():
+    counts = first_tokens(SearchWithoutEarlyStop(APPENDIX_A), N_APPENDIX, seed=1)
+    assert abs(counts[0] / N_APPENDIX - 0.85) < 0.01  # P(A) = 0.5 + 0.5 * 0.7
+    assert g_test(counts, P_TARGET.numpy()) < 1e-6
+
+
+@pytest.mark.parametrize("make", [PrefixScheduler, AsyncBudgetScheduler], ids=["algorithm1", "async"])
+def test_appendix_a_confidence_schedulers_keep_the_target_distribution(make):
+    scheduler = make(APPENDIX_A)
+    counts = first_tokens(scheduler, N_APPENDIX, seed=2)
+    assert g_test(counts, P_TARGET.numpy()) > 1e-3, counts / N_APPENDIX
+
+
+def test_appendix_a_numbers():
+    """Θ_0 = 1.0 > Θ_1 = 0.9: Algorithm 1 stops at once; the async budget follows step N−2's drafts."""
+    a = prefix_survival(torch.tensor([[0.8, 1.0]]), torch.tensor([2]))
+    assert algorithm1(a, APPENDIX_A) == (torch.tensor([0]), 1) or algorithm1(a, APPENDIX_A)[0].tolist() == [0]
+    assert algorithm1(a, APPENDIX_A)[1] == 1  # it read one candidate and stopped
+    assert global_budget(a, 1, 2, APPENDIX_A) == 2  # Θ_2 = 2.6 * 0.45 = 1.17 beats 1.0
+    low = prefix_survival(torch.tensor([[0.8, 0.01]]), torch.tensor([2]))
+    assert global_budget(low, 1, 2, APPENDIX_A) == 0
+
+
+# ---- properties -------------------------------------------------------------------------------------
+def confidences(max_r: int = 5, max_g: int = 5):
+    return st.integers(1, max_r).flatmap(lambda R: st.integers(1, max_g).flatmap(lambda G: st.tuples(
+        st.lists(st.lists(st.sampled_from([0.0, 0.05, 0.3, 0.5, 0.8, 0.95, 1.0]) | st.floats(0.0, 1.0),
+                          min_size=G, max_size=G), min_size=R, max_size=R),
+        st.lists(st.integers(0, G), min_size=R, max_size=R))))
+
+
+def tables():
+    """Cost tables with a per-token slope, a fixed cost and random staircase jumps."""
+    return st.tuples(st.floats(0.1, 5.0), st.floats(0.001, 0.5), st.lists(st.floats(0, 2.0), min_size=40, max_size=40)).map(
+        lambda x: CostTable(list(range(1, 41)), [x[0] + x[1] * b + sum(x[2][:b]) * (b % 8 == 0) for b in range(1, 41)]))
+
+
+def as_tensors(c, lengths):
+    return torch.tensor(c, dtype=torch.float64), torch.tensor(lengths)
+
+
+def best_tau_of_size(a: torch.Tensor, k: int) -> float:
+    """Brute force: the largest Σ a over prefix-closed sets of k drafts."""
+    R, G = a.shape
+    limits = [int((a[r] > 0).sum()) for r in range(R)]
+    best = -1.0
+    for ls in itertools.product(*(range(m + 1) for m in limits)):
+        if sum(ls) == k:
+            best = max(best, sum(float(a[r, :l].sum()) for r, l in enumerate(ls)))
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences(4, 4), st.integers(0, 16))
+def test_top_k_is_a_set_of_prefixes_maximising_tau(data, k):
+    c, lengths = as_tensors(*data)
+    a = prefix_survival(c, lengths)
+    available = int((a > 0).sum())
+    chosen = top_k_lengths(a, k)
+    assert int(chosen.sum()) == min(k, available)  # the budget, exactly, while drafts last
+    assert bool((chosen <= lengths).all())
+    assert bool(((a > 0).sum(-1) >= chosen).all())  # only candidates of positive survival
+    got = expected_tau(a, chosen) - a.shape[0]
+    assert got >= best_tau_of_size(a, min(k, available)) - 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences(), tables())
+def test_algorithm1_chooses_prefixes_and_never_looks_past_its_stop(data, cost):
+    c, lengths = as_tensors(*data)
+    a = prefix_survival(c, lengths)
+    chosen, read = algorithm1(a, cost)
+    assert bool((chosen >= 0).all()) and bool((chosen <= lengths).all())
+    r, j, s = ranked_candidates(a)
+    # what it chose is exactly the first (read - 1) or read candidates of the ranking: a prefix per request
+    taken = int(chosen.sum())
+    assert taken in (read - 1, read) or (read == 0 and taken == 0)
+    assert torch.equal(torch.bincount(r[:taken], minlength=a.shape[0]), chosen)
+    # candidates ranked after the stop: lowering them (the ranking before the stop unchanged) changes nothing
+    if read < len(r):
+        lowered = a.clone()
+        for rr, jj in zip(r[read:].tolist(), j[read:].tolist()):
+            lowered[rr, jj - 1] = lowered[rr, jj - 1] * 0.5
+        lowered = torch.minimum(lowered, lowered.cummin(-1).values)  # survival stays non-increasing
+        assert torch.equal(algorithm1(lowered, cost)[0], chosen)
+    # and Θ of the choice is no worse than plain decoding
+    R = a.shape[0]
+    assert expected_tau(a, chosen) * cost.sps(R + taken, R) >= R * cost.sps(R, R) - 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(confidences(), confidences(), tables())
+def test_async_budget_is_respected_and_allocated_by_survival(old, now, cost):
+    scheduler = AsyncBudgetScheduler(cost)
+    for c, lengths in (old, old, now):  # the third plan reads the first one's confidences
+        proposal = Proposal(torch.zeros(len(c), len(c[0]), dtype=torch.long), None, torch.tensor(lengths),
+                            torch.tensor(c, dtype=torch.float64))
+        chosen = scheduler.plan(proposal)
+    c, lengths = as_tensors(*now)
+    a = prefix_survival(c, lengths)
+    slots = int(lengths.sum())
+    assert 0 <= scheduler.budget <= slots
+    assert int(chosen.sum()) == min(scheduler.budget, int((a > 0).sum()))
+    assert torch.equal(chosen, top_k_lengths(a, scheduler.budget))
+    # the budget depends on the old confidences only
+    a_old = prefix_survival(*as_tensors(*old))
+    assert scheduler.budget == global_budget(a_old, len(c), slots, cost)
+
+
+@settings(max_examples=100, deadline=None)
+@given(confidences(), st.floats(0.01, 0.99))
+def test_threshold_chooses_prefixes_above_it(data, threshold):
+    c, lengths = as_tensors(*data)
+    proposal = Proposal(torch.zeros(c.shape, dtype=torch.long), None, lengths, c)
+    chosen = ThresholdScheduler(threshold).plan(proposal)
+    a = prefix_survival(c, lengths)
+    for r, l in enumerate(chosen.tolist()):
+        assert bool((a[r, :l] >= threshold).all()) and (l == a.shape[1] or float(a[r, l]) < threshold)
+
+
+def test_schedulers_without_confidences_verify_everything():
+    proposal = Proposal(torch.zeros(2, 3, dtype=torch.long), None, torch.tensor([3, 1]))
+    for s in (PrefixScheduler(APPENDIX_A), AsyncBudgetScheduler(APPENDIX_A), ThresholdScheduler(0.5)):
+        assert s.plan(proposal).tolist() == [3, 1]
+
+
+def test_make_scheduler_names_and_errors():
+    assert isinstance(make_scheduler("fixed", 5), FixedLength) and make_scheduler("plain").gamma == 0
+    assert isinstance(make_scheduler("algorithm1", cost=APPENDIX_A), PrefixScheduler)
+    with pytest.raises(ValueError, match="cost table"):
+        make_scheduler("async")
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        make_scheduler("magic")
+    with pytest.raises(ValueError, match="threshold"):
+        make_scheduler("threshold", threshold=1.5)
+
+
+# ---- cost table ---------------------------------------------------------------------------------------
+def test_cost_table_rounds_up_extrapolates_and_adds_the_drafter():
+    t = CostTable([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0], [1, 4], [0.5, 0.9])
+    assert t.step_time(3, 1) == pytest.approx(1.3 + 0.5)  # B = 3 costs as the bucket of 4
+    assert t.step_time(8, 2) == pytest.approx(2.0 + 0.9)  # R = 2 costs as 4
+    assert t.step_time(12, 1) == pytest.approx(2.0 + 0.7 / 4 * 4 + 0.5)  # the last slope extended
+    assert t.sps(1, 1) == pytest.approx(1 / 1.5)
+
+
+def test_online_correction_heals_a_stale_table():
+    t = CostTable([1, 8, 16], [1.0, 1.0, 2.0])
+    for _ in range(200):
+        t.observe(8, 1, 3.0)  # the machine got three times slower at B = 5..8
+    assert t.step_time(6) == pytest.approx(3.0, rel=1e-3)
+    assert t.step_time(1) == 1.0 and t.step_time(16) == 2.0  # other buckets untouched
+
+
+def test_staircase_detection_and_file_round_trip(tmp_path):
+    sizes = list(range(1, 33))
+    seconds = [1.0 + 0.01 * b + (0.5 if b > 16 else 0.0) for b in sizes]
+    t = CostTable(sizes, seconds, meta={"machine": {"cpu": "test"}})
+    assert t.staircase() == [17]
+    loaded = CostTable.load(t.save(tmp_path / "cost.json"))
+    assert loaded == t and loaded.meta["machine"]["cpu"] == "test"
+    with pytest.raises(ValueError, match="ascending"):
+        CostTable([2, 1], [1.0, 1.0])
+
+
+# ---- engine -------------------------------------------------------------------------------------------
+ENGINE_TABLE = CostTable(list(range(1, 65)), [0.02 + 0.002 * b for b in range(1, 65)])
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["plain", "threshold", "algorithm1", "async"])
+def test_engine_is_lossless_under_greedy_with_every_scheduler(tiny_target, tiny_target_dir, name):
+    prompts = [[5 + i, 9, 33, 100 + i, 7] * (i + 1) for i in range(3)]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
+    plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)
+    drafter = DSparkDrafter(tiny_drafter(tiny_target, "gated", seed=3))
+    llm = LLM(str(tiny_target_dir), drafter=drafter, dtype="fp32", gamma=BLOCK, scheduler=name,
+              cost_table=ENGINE_TABLE, threshold=0.3)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = list(llm.engine.stats)
+    assert all(s.expected_tau is not None for s in stats)
+    assert all(s.expected_tau >= s.num_requests for s in stats)
