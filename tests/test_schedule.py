@@ -255,3 +255,23 @@ def test_engine_is_lossless_under_greedy_with_every_scheduler(tiny_target, tiny_
     stats = list(llm.engine.stats)
     assert all(s.expected_tau is not None for s in stats)
     assert all(s.expected_tau >= s.num_requests for s in stats)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_profile_cli_writes_a_cost_table_and_plot(tiny_target, tiny_target_dir, tmp_path):
+    from dspark.cli import main
+    from dspark.draft.checkpoint import save_drafter
+
+    save_drafter(tiny_drafter(tiny_target, "vanilla"), tmp_path / "drafter")
+    out = tmp_path / "cost.json"
+    assert main(["profile", "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "drafter"), "--gamma",
+                 str(BLOCK), "--dtype", "fp32", "--max-requests", "4", "--repeats", "1", "--out", str(out)]) == 0
+    table = CostTable.load(out)
+    assert table.verify_sizes == [*range(1, 17), 20]  # the default sizes up to 4 requests of 1 + γ
+    assert table.draft_sizes == [1, 2, 4]
+    assert all(t > 0 for t in table.verify_seconds + table.draft_seconds)
+    assert table.meta["machine"]["threads"] >= 1 and table.meta["dtype"] == "float32" and table.meta["gamma"] == BLOCK
+    assert (tmp_path / "cost.png").stat().st_size > 1000
+    llm = LLM(str(tiny_target_dir), drafter=str(tmp_path / "drafter"), gamma=BLOCK, dtype="fp32",
+              scheduler="async", cost_table=str(out))
+    assert isinstance(llm.engine.scheduler, AsyncBudgetScheduler) and llm.engine.scheduler.cost == table

@@ -21,8 +21,14 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         from .eagle3 import Eagle3Drafter
         from .eagle3_model import Eagle3Model
 
-        model = load_drafter(Path(spec).expanduser(), target)
-        return (Eagle3Drafter if isinstance(model, Eagle3Model) else DSparkDrafter)(model, max_model_len)
+        from ..calibrate import load_temperatures
+
+        folder = Path(spec).expanduser()
+        model = load_drafter(folder, target)
+        if isinstance(model, Eagle3Model):
+            return Eagle3Drafter(model, max_model_len)
+        temps = load_temperatures(folder) if model.confidence_head is not None else None
+        return DSparkDrafter(model, max_model_len, temps)
     raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup or a drafter folder")
 
 

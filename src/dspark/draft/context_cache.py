@@ -38,6 +38,7 @@ class ContextCacheDrafter(Drafter):
         start = self.context_len.get(req.request_id, 0)
         return torch.arange(start, start + n)
 
+    @torch.inference_mode()  # the cache may have been allocated in inference mode (commit, propose)
     def release(self, request, moved_from: int | None = None) -> None:
         self.context_len.pop(request.request_id, None)
         if moved_from is not None:

@@ -12,7 +12,15 @@ from .dspark_model import DSparkModel
 
 
 class DSparkDrafter(ContextCacheDrafter):
+    """temperatures: STS temperatures T_1..T_γ applied to the confidences, c_k = σ(logit_k / T_k)."""
+
     model: DSparkModel
+
+    def __init__(self, model: DSparkModel, max_model_len: int = 8192, temperatures: list[float] | None = None):
+        super().__init__(model, max_model_len)
+        if temperatures is not None and len(temperatures) != self.gamma:
+            raise ValueError(f"{len(temperatures)} calibration temperatures for a block of {self.gamma}")
+        self.temperatures = temperatures
 
     @torch.inference_mode()
     def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
@@ -37,11 +45,12 @@ class DSparkDrafter(ContextCacheDrafter):
         tokens = torch.zeros(R, G, dtype=torch.long)
         q = torch.empty_like(U)
         conf = torch.ones(R, G)
+        temps = self.temperatures or [1.0] * G
         prev, state = anchors, m.markov_head.initial_state(R, h) if m.markov_head is not None else None
         for k in range(G):
             bias, c_logit, state = m.head_step(prev, h[:, k], state)
             q[:, k] = warp(U[:, k] if bias is None else U[:, k] + bias, *params)
             tokens[:, k] = prev = sample(q[:, k], u[:, k])
             if c_logit is not None:
-                conf[:, k] = torch.sigmoid(c_logit.float())
+                conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
         return Proposal(tokens, q, torch.full((R,), G), conf if m.confidence_head is not None else None)

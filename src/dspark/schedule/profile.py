@@ -107,3 +107,29 @@ def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
     table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
     path.parent.mkdir(parents=True, exist_ok=True)
     return CostTable.load(table.save(path))
+
+
+def plot_cost_table(table: CostTable, path) -> str:
+    """Step time against B (verify + sampling), with the drafter call's cost and the staircase steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(table.verify_sizes, [1000 * t for t in table.verify_seconds], "o-", ms=3, label="verify + sampling")
+    for b in table.staircase():
+        ax.axvline(b, color="red", lw=0.7, ls=":")
+    if table.draft_sizes:
+        ax.plot(table.draft_sizes, [1000 * t for t in table.draft_seconds], "s--", ms=3, label="drafter call (x = R)")
+    m = table.meta
+    ax.set_title(f"{m.get('target', '')} {m.get('dtype', '')}, {m.get('machine', {}).get('threads', '?')} threads",
+                 fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("verify tokens B (requests R for the drafter)")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
