@@ -136,3 +136,24 @@ def write_result(out: str | Path, result: dict, markdown: str) -> tuple[Path, Pa
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     md_path.write_text(markdown.rstrip() + "\n")
     return json_path, md_path
+
+
+class Log:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str):
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {message}", flush=True)
+
+
+def run_interleaved(peers: list, batches: list[list[list[int]]], n: int, rotation: int) -> dict:
+    """Each batch through every peer in turn (the order rotates per batch and per repeat, so drifts in
+    machine load spread evenly). Returns {name: (outputs, seconds)} summed over the batches."""
+    result = {p.name: ([], 0.0) for p in peers}
+    for i, batch in enumerate(batches):
+        k = (rotation + i) % len(peers)
+        for peer in peers[k:] + peers[:k]:
+            outs, seconds = timed(peer.generate, batch, n)
+            prev_outs, prev_seconds = result[peer.name]
+            result[peer.name] = (prev_outs + outs, prev_seconds + seconds)
+    return result

@@ -23,8 +23,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, cycle, fmt, load_prompts,  # noqa: E402
-                               markdown_table, result_header, result_preamble, spread, timed, write_result)
+from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, cycle, fmt, load_prompts,  # noqa: E402
+                               markdown_table, result_header, result_preamble, run_interleaved, spread,
+                               write_result)
 from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_cpp_available,  # noqa: E402
                               load_transformers)
 from benchmarks.step_time import step_time_curve  # noqa: E402
@@ -84,27 +85,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if min(args.repeats, args.prompts, args.max_new_tokens, args.verify_timings, *args.concurrency) < 1:
         p.error("counts must be >= 1")
     return args
-
-
-class Log:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def __call__(self, message: str):
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {message}", flush=True)
-
-
-def run_interleaved(peers: list, batches: list[list[list[int]]], n: int, rotation: int) -> dict:
-    """Each batch through every peer in turn (the order rotates per batch and per repeat, so drifts in
-    machine load spread evenly). Returns {name: (outputs, seconds)} summed over the batches."""
-    result = {p.name: ([], 0.0) for p in peers}
-    for i, batch in enumerate(batches):
-        k = (rotation + i) % len(peers)
-        for peer in peers[k:] + peers[:k]:
-            outs, seconds = timed(peer.generate, batch, n)
-            prev_outs, prev_seconds = result[peer.name]
-            result[peer.name] = (prev_outs + outs, prev_seconds + seconds)
-    return result
 
 
 def speed_row(section: str, system: str, dtype: str, concurrency: int, requests: int, n: int,

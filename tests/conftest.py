@@ -6,8 +6,6 @@ own section below.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,9 +14,6 @@ import pytest
 import torch
 
 from dspark import LLM, SamplingParams
-from dspark.draft import make_drafter
-from dspark.engine.llm_engine import LLMEngine
-from dspark.schedule import make_scheduler
 
 torch.set_num_threads(2)
 
@@ -64,13 +59,7 @@ def make_llm(base_llm_fp32):
     max_num_seqs, max_model_len."""
 
     def make(drafter="none", scheduler="fixed", gamma: int = 7, **config) -> LLM:
-        llm = copy.copy(base_llm_fp32)
-        llm.config = dataclasses.replace(base_llm_fp32.config, **config)
-        target = base_llm_fp32.engine.target
-        max_len = llm.config.max_model_len or target.config.max_position_embeddings
-        llm.engine = LLMEngine(target, llm.tokenizer, make_drafter(drafter, gamma, target, max_len),
-                               make_scheduler(scheduler, gamma=gamma), llm.config)
-        return llm
+        return base_llm_fp32.sibling(drafter, scheduler, gamma=gamma, **config)
 
     return make
 

@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_speed.py"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPT = BENCHMARKS / "engine_speed.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("engine_speed_script", SCRIPT)
+def load_script(path: Path = SCRIPT):
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -58,3 +59,32 @@ def test_engine_speed_quick_writes_result(tmp_path):
         assert headline["llamacpp_ms_per_token"] > 0 and headline["plain_vs_llamacpp_bs1"] > 0
     else:
         assert any("llama.cpp skipped" in note for note in result["notes"])
+
+
+@pytest.mark.slow
+def test_drafters_quick_writes_result(tmp_path, base_llm_fp32):
+    """Untrained DSpark and Eagle3-style drafters for SmolLM2 through the drafter benchmark's smoke settings."""
+    from dspark.draft.checkpoint import draft_config, save_drafter
+    from dspark.draft.dspark_model import DSparkModel
+    from dspark.draft.eagle3_model import Eagle3Model, eagle3_config
+
+    config = base_llm_fp32.engine.target.config.to_dict()
+    torch.manual_seed(0)
+    save_drafter(DSparkModel(draft_config(config, markov_rank=8)), tmp_path / "dspark", dtype=torch.bfloat16)
+    save_drafter(Eagle3Model(eagle3_config(config)), tmp_path / "eagle3", dtype=torch.bfloat16)
+    out = tmp_path / "drafters"
+    argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6",
+            "--drafters", f"dspark={tmp_path / 'dspark'},eagle3={tmp_path / 'eagle3'}", "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert load_script(BENCHMARKS / "drafters.py").main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.with_suffix(".json").read_text())
+    acc = [r for r in result["rows"] if r["section"] == "acceptance"]
+    assert {(r["drafter"], r["temperature"], r["set"]) for r in acc} == {
+        (d, t, s) for d in ("dspark", "eagle3") for t in (0.0, 1.0) for s in ("gsm8k", "mt-bench")}
+    assert all(r["tau"] >= 1.0 and len(r["position_accept"]) == 7 for r in acc)
+    assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3"]
+    assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
+    assert (tmp_path / "drafters_positions.png").stat().st_size > 1000

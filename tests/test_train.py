@@ -256,3 +256,29 @@ def test_two_process_training_equals_one_process(tiny_target_dir, train_data, tm
     assert one.keys() == two.keys()
     for name in one:  # per tensor: float sums run in another order, and Adam divides by tiny moments
         assert (two[name] - one[name]).norm() <= 1e-5 * one[name].norm(), name
+
+
+def test_feature_cache_trains_exactly_like_online_features(tiny_target_dir, train_data, tmp_path):
+    """A bf16 target: training from `dspark features`' cache gives the same weights as online features; a
+    cache without the drafter's layers is refused."""
+    from dspark.cli import main
+
+    cache = tmp_path / "cache"
+    assert main(["features", "--data", str(train_data), "--out", str(cache), "--target", str(tiny_target_dir),
+                 "--max-len", "64", "--batch-size", "3"]) == 0
+    online = Trainer(train_config(train_data, tmp_path / "online", tiny_target_dir, target_dtype="bf16", steps=2))
+    cached = Trainer(train_config(train_data, tmp_path / "cached", tiny_target_dir, target_dtype="bf16", steps=2,
+                                  feature_cache=str(cache)))
+    recs = online.batch_records(0)
+    a = target_features(online.target, [r["ids"] for r in recs], online.model.target_layer_ids)
+    b = cached.cache.features(recs)
+    assert torch.equal(a.features, b.features) and torch.equal(a.hidden, b.hidden) and a.lengths == b.lengths
+    online.fit()
+    cached.fit()
+    for name, tensor in trainable_state(online).items():
+        assert torch.equal(trainable_state(cached)[name], tensor), name
+    partial = tmp_path / "partial"
+    assert main(["features", "--data", str(train_data), "--out", str(partial), "--target", str(tiny_target_dir),
+                 "--max-len", "64", "--layers", "1,2"]) == 0
+    with pytest.raises(ValueError, match="layers"):
+        Trainer(train_config(train_data, tmp_path / "x", tiny_target_dir, target_dtype="bf16", feature_cache=str(partial)))

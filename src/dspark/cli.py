@@ -154,7 +154,9 @@ TRAIN_HELP = {
     "target_dtype": "dtype of the frozen target: bf16 or fp32",
     "drafter_type": "dspark (backbone + sequential and confidence heads), dflash (the backbone alone), eagle3 "
                     "(Eagle3-style autoregressive, one layer) or mtp (MTP-1: last target layer, one draft)",
+    "feature_cache": "folder of cached target features from `dspark features` (default: computed online)",
     "num_layers": "drafter backbone layers (dspark, dflash)",
+    "init": "target (backbone from the target's last layers) or small (N(0, 0.02) weights)",
     "block_size": "γ, drafts per block",
     "markov_rank": "rank r of the Markov head (dspark)",
     "markov_head_type": "vanilla, gated or rnn",
@@ -330,6 +332,45 @@ def add_profile_parser(sub):
     pr.set_defaults(func=cmd_profile)
 
 
+def cmd_features(args) -> int:
+    import torch
+
+    from .draft.checkpoint import build_target_layer_ids
+    from .target.loading import load_target
+    from .train.feature_cache import build_cache
+    from .train.trainer import load_sequences
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _, folder = load_target(args.target, torch.bfloat16)
+    n = target.config.num_hidden_layers
+    layers = ([int(x) for x in args.layers.split(",")] if args.layers else
+              sorted({*build_target_layer_ids(n, 3), n - 1}))
+    records = load_sequences(args.data, args.max_len)
+    out = build_cache(target, records, layers, args.out, batch_size=args.batch_size, target_name=str(folder),
+                      max_len=args.max_len)
+    print(f"cached target layers {layers} and final hidden states of {len(records)} sequences in {out}", file=sys.stderr)
+    return 0
+
+
+def add_features_parser(sub):
+    fe = sub.add_parser("features", help="cache target features of training data on disk (optional)",
+                        description="Run the frozen target (bf16) once over a regenerated JSONL and store, per "
+                                    "sequence, the outputs of the chosen target layers and the final hidden states "
+                                    "(bf16 safetensors shards, resumable), so that `dspark train --feature-cache` "
+                                    "skips the target forward in every epoch and for every drafter.")
+    fe.add_argument("--data", required=True, help="regenerated JSONL (dspark regenerate)")
+    fe.add_argument("--out", required=True, help="cache folder")
+    fe.add_argument("--layers", default=None, help="comma-separated target layers (default: DSpark's three plus "
+                                                    "the last layer, which MTP-1 reads)")
+    fe.add_argument("--max-len", type=int, default=512, help="sequences cut to this many tokens; train with the same "
+                                                              "or smaller --max-len (default: %(default)s)")
+    fe.add_argument("--batch-size", type=int, default=8, help="sequences per target forward (default: %(default)s)")
+    fe.add_argument("--target", default=None, help="target model (default: the bundled SmolLM2-135M-Instruct)")
+    fe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    fe.set_defaults(func=cmd_features)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: faster generation, "
                                      "same output distribution as the target model.")
@@ -347,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_regenerate_parser(sub)
     add_train_parser(sub)
     add_serve_parser(sub)
+    add_features_parser(sub)
     add_calibrate_parser(sub)
     add_profile_parser(sub)
     return parser

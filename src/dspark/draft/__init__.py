@@ -3,18 +3,25 @@ from pathlib import Path
 from .base import Drafter, NoDrafter, Proposal
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTERS = ("none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
+DRAFTERS = ("default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
+# the DSpark drafter trained by this project for the bundled SmolLM2-135M-Instruct (trainable weights only)
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dspark"
 
 
 def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
-    """A Drafter from a name ("none", "prompt-lookup"), a drafter folder (config.json + model.safetensors,
-    loaded against `target`) or an instance."""
+    """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct, "none",
+    "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`) or an
+    instance."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
+    if spec == "default":
+        if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+            raise ValueError(f"no default drafter is bundled at {DEFAULT_DRAFTER_DIR}; give a drafter folder")
+        spec = DEFAULT_DRAFTER_DIR
     if Path(spec).expanduser().is_dir():
         from .checkpoint import load_drafter
         from .dspark import DSparkDrafter
@@ -32,4 +39,4 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
     raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup or a drafter folder")
 
 
-__all__ = ["DRAFTERS", "Drafter", "NoDrafter", "Proposal", "PromptLookupDrafter", "make_drafter"]
+__all__ = ["DEFAULT_DRAFTER_DIR", "DRAFTERS", "Drafter", "NoDrafter", "Proposal", "PromptLookupDrafter", "make_drafter"]

@@ -1,6 +1,9 @@
 """The offline API: `LLM(...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 from tqdm import tqdm
 
@@ -32,13 +35,26 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype)
-        max_len = max_model_len or model.config.max_position_embeddings
+        self._build_engine(model, drafter, scheduler, gamma, cost_table, threshold)
+
+    def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
+        max_len = self.config.max_model_len or model.config.max_position_embeddings
         self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len),
                                 FixedLength(gamma), self.config)
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
-            key = (str(self.target_path), str(drafter), dtype, max_num_seqs, torch.get_num_threads())
+            key = (str(self.target_path), str(drafter), self.config.dtype, self.config.max_num_seqs,
+                   torch.get_num_threads())
             cost_table = CostTable.load(cost_table) if cost_table else cached_profile(self.engine, key)
         self.engine.scheduler = make_scheduler(scheduler, gamma=gamma, cost=cost_table, threshold=threshold)
+
+    def sibling(self, drafter="none", scheduler="fixed", *, gamma: int = 7, cost_table=None, threshold: float = 0.5,
+                **config) -> "LLM":
+        """Another LLM on the same target weights, with its own engine, KV cache, drafter and scheduler;
+        config overrides EngineConfig fields (max_num_seqs, max_model_len)."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, **config)
+        other._build_engine(self.engine.target, drafter, scheduler, gamma, cost_table, threshold)
+        return other
 
     def chat_prompt(self, messages: list[dict] | str) -> list[int]:
         """Token ids of a conversation (or one user message) under the target's chat template."""

@@ -149,7 +149,7 @@ class LLMEngine:
             req = self.waiting.popleft()
             budget -= len(req.prompt_ids)
             req.slot = self.cache.allocate()
-            req.status = Status.RUNNING
+            req.status, req.admitted_at = Status.RUNNING, time.perf_counter()
             self.running.append(req)
             new.append(req)
         if not new:

@@ -57,6 +57,7 @@ class Request:
     drafts_verified: int = 0
     drafts_accepted: int = 0
     steps: int = 0
+    admitted_at: float | None = None  # time.perf_counter() when the engine took it from the queue
 
     def __post_init__(self):
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(2**62, ()).item())

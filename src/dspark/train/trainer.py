@@ -27,6 +27,7 @@ from ..draft.eagle3_model import Eagle3Model, eagle3_config
 from ..target.loading import load_target
 from ..target.model import TargetModel
 from .anchors import sample_anchors
+from .feature_cache import FeatureCache
 from .features import target_features
 from .forward import forward_for
 from .losses import dspark_loss
@@ -44,6 +45,8 @@ class TrainConfig:
     markov_rank: int = 64
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence: bool = True
+    feature_cache: str | None = None  # folder from `dspark features`; None: target features online
+    init: str = "target"  # target: backbone from the target's last layers | small: N(0, 0.02) weights
     num_anchors: int = 32
     max_len: int = 512
     batch_size: int = 4  # sequences per global step (split across processes)
@@ -82,6 +85,8 @@ DRAFTER_TYPES = ("dspark", "dflash", "eagle3", "mtp")
 
 
 def new_drafter(cfg: TrainConfig, target_config: dict) -> DSparkModel | Eagle3Model:
+    if cfg.init not in ("target", "small"):
+        raise ValueError(f"init must be target or small, got {cfg.init!r}")
     if cfg.drafter_type not in DRAFTER_TYPES:
         raise ValueError(f"drafter_type must be one of {DRAFTER_TYPES}, got {cfg.drafter_type!r}")
     if cfg.drafter_type in ("eagle3", "mtp"):
@@ -126,6 +131,25 @@ def init_from_target(model: DSparkModel | Eagle3Model, target: TargetModel) -> N
             torch.nn.init.zeros_(model.confidence_head.proj.bias)
 
 
+def init_small(model: DSparkModel | Eagle3Model, target: TargetModel) -> None:
+    """Every trainable matrix N(0, 0.02), norms at one, biases zero, but the final norm the target's (the
+    shared LM head expects its scale); the sequential head at zero bias and the confidence head at 0.5 as in
+    init_from_target."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.02)
+            else:
+                torch.nn.init.ones_(p) if name.endswith("norm.weight") else torch.nn.init.zeros_(p)
+        model.norm.weight.copy_(target.norm.weight)
+        if getattr(model, "markov_head", None) is not None:
+            torch.nn.init.zeros_(model.markov_head.markov_w2.weight)
+        if model.confidence_head is not None:
+            torch.nn.init.zeros_(model.confidence_head.proj.weight)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -139,16 +163,21 @@ class Trainer:
         n_eval = min(cfg.eval_sequences, len(self.records) // 10)
         self.train_recs, self.eval_recs = self.records[: len(self.records) - n_eval], self.records[len(self.records) - n_eval:]
         self.state_path = self.out / "train_state.pt"
+        self.cache = None
         if self.state_path.is_file():
             self.model = load_drafter(self.out, self.target, dtype=torch.float32)
         else:
             torch.manual_seed(cfg.seed)
             self.model = new_drafter(cfg, self.target.config.to_dict())
-            init_from_target(self.model, self.target)
+            (init_from_target if cfg.init == "target" else init_small)(self.model, self.target)
             self.model.float()
             # the frozen embedding and LM head are the target's own tensors, never copies
             self.model.embed_tokens.weight, self.model.lm_head.weight = (
                 self.target.embed_tokens.weight, self.target.lm_head.weight)
+        if cfg.feature_cache:
+            if cfg.target_dtype != "bf16":
+                raise ValueError("the feature cache holds bf16 target features: train with target_dtype bf16")
+            self.cache = FeatureCache(cfg.feature_cache, self.model.target_layer_ids, cfg.max_len)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
@@ -176,7 +205,10 @@ class Trainer:
     # ---- one step ---------------------------------------------------------------------------------
     def losses(self, recs: list[dict], step: int):
         ids = [r["ids"] for r in recs]
-        feats = target_features(self.target, ids, self.model.target_layer_ids)
+        if self.cache is not None and all(r["id"] in self.cache for r in recs):
+            feats = self.cache.features(recs)
+        else:
+            feats = target_features(self.target, ids, self.model.target_layer_ids)
         L = max(feats.lengths)
         tokens = torch.zeros(len(ids), L, dtype=torch.long)
         for i, s in enumerate(ids):

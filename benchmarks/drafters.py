@@ -1,0 +1,253 @@
+"""Trained drafters on the default target: acceptance length τ per eval set at temperature 0 and 1, position-wise
+conditional acceptance, and single-request speed against plain decoding (and llama.cpp where installed).
+
+    python benchmarks/drafters.py --drafters dspark=src/dspark/drafters/smollm2-dspark,dflash=PATH,eagle3=PATH,mtp=PATH
+    python benchmarks/drafters.py --quick --drafters dspark=PATH      # smoke test
+
+(a) τ = (accepted drafts + 1) per verify cycle, per eval set (first --prompts rows; MT-Bench rows answer both
+    turns, the second after the first answer), --max-new-tokens each, every draft verified (fixed γ). Requests
+    run batched (--batch at once): τ does not depend on the batch, up to bf16 rounding.
+(b) position-wise conditional acceptance: P(x_k accepted | x_1..x_{k-1} accepted and x_k verified), k = 1..γ.
+(c) single-request tokens/s on the --speed-sets prompts, greedy, exactly --max-new-tokens tokens, every system
+    interleaved prompt by prompt: plain decoding, each drafter, llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, markdown_table, result_header,  # noqa: E402
+                               result_preamble, run_interleaved, write_result)
+from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.target.loading import bundled_gguf  # noqa: E402
+
+FULL = {"sets": "gsm8k,math500,humaneval,mbpp,mt-bench", "prompts": 50, "max_new_tokens": 256, "temperatures": "0,1",
+        "speed_sets": "gsm8k,humaneval", "speed_prompts": 8, "batch": 50}
+QUICK = {"sets": "gsm8k,mt-bench", "prompts": 2, "max_new_tokens": 12, "temperatures": "0,1",
+         "speed_sets": "gsm8k", "speed_prompts": 1, "batch": 4}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--drafters", required=True, help="comma-separated name=folder pairs (names as in the table: "
+                   "dspark, dflash, eagle3, mtp)")
+    p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
+    for key, value in FULL.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+                       help=f"[{value}; quick {QUICK[key]}]")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")
+    p.add_argument("--out", default=str(RESULTS_DIR / "drafters"))
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.drafter_dirs = dict(pair.split("=", 1) for pair in args.drafters.split(","))
+    return args
+
+
+def eval_rows(data_dir: str, name: str, n: int) -> list[list[str]]:
+    path = Path(data_dir) / f"eval_{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"eval set not found: {path} (pass --data-dir)")
+    rows = [json.loads(line)["turns"] for line in path.read_text().splitlines() if line.strip()]
+    if len(rows) < n:
+        raise ValueError(f"{path} has {len(rows)} rows, {n} asked")
+    return rows[:n]
+
+
+def position_acceptance(stats, gamma: int) -> list[float | None]:
+    """P(x_k accepted | x_1..x_{k-1} accepted, x_k verified) for k = 1..γ over the steps' requests."""
+    reached, passed = [0] * gamma, [0] * gamma
+    for st in stats:
+        for verified, accepted in zip(st.verified, st.accepted):
+            for k in range(1, min(verified, accepted + 1) + 1):
+                reached[k - 1] += 1
+                passed[k - 1] += accepted >= k
+    return [p / r if r else None for p, r in zip(passed, reached)]
+
+
+def run_set(llm: LLM, rows: list[list[str]], temperature: float, n: int, batch: int) -> tuple[list, list]:
+    """Answer every row (all its turns), batched; (outputs, step stats)."""
+    engine = llm.engine
+    engine.stats.clear()
+    engine.config.max_num_seqs = batch
+    conversations = [[] for _ in rows]
+    outputs = []
+    for turn in range(max(len(r) for r in rows)):
+        live = [i for i, r in enumerate(rows) if turn < len(r)]
+        for i in live:
+            conversations[i].append({"role": "user", "content": rows[i][turn]})
+        params = [SamplingParams(temperature=temperature, max_tokens=n, seed=1000 * turn + i) for i in live]
+        outs = llm.generate([llm.chat_prompt(conversations[i]) for i in live], params)
+        for i, out in zip(live, outs):
+            conversations[i].append({"role": "assistant", "content": out.text})
+        outputs += outs
+    return outputs, list(engine.stats)
+
+
+def acceptance_rows(llms: dict[str, LLM], args, log) -> list[dict]:
+    rows = []
+    for name, llm in llms.items():
+        gamma = llm.engine.drafter.gamma
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            for set_name in args.sets.split(","):
+                outs, stats = run_set(llm, eval_rows(args.data_dir, set_name, args.prompts), temperature,
+                                      args.max_new_tokens, args.batch)
+                errors = [o.error for o in outs if o.finish_reason == "error"]
+                if errors:
+                    raise RuntimeError(f"{name} failed on {set_name}: {errors[0]}")
+                cycles = sum(st.num_requests for st in stats)
+                tokens = sum(st.tokens for st in stats)
+                pos = position_acceptance(stats, gamma)
+                rows.append({"section": "acceptance", "drafter": name, "temperature": temperature, "set": set_name,
+                             "requests": len(outs), "cycles": cycles, "tau": tokens / max(cycles, 1),
+                             "position_accept": pos, "gamma": gamma})
+                log(f"{name} T={temperature} {set_name}: τ {rows[-1]['tau']:.2f} positions "
+                    f"{[round(x, 2) if x is not None else None for x in pos]}")
+    return rows
+
+
+def speed_rows(llms: dict[str, LLM], plain: LLM, args, log) -> list[dict]:
+    texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
+    prompts = [plain.chat_prompt(t) for t in texts]
+    peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]
+    if not args.no_llama_cpp and llama_cpp_available():
+        peers.append(LlamaCppPeer(bundled_gguf(), args.threads, n_ctx=4096))
+    for peer in peers:  # warm-up
+        peer.generate([prompts[0]], 8)
+    for peer in peers:
+        if isinstance(peer, DsparkPeer):
+            peer.llm.engine.config.max_num_seqs = 1
+            peer.history.clear()
+    result = run_interleaved(peers, [[p] for p in prompts], args.max_new_tokens, rotation=0)
+    rows = []
+    for peer in peers:
+        outs, seconds = result[peer.name]
+        row = {"section": "speed", "system": peer.name, "requests": len(outs), "new_tokens": args.max_new_tokens,
+               "seconds": seconds, "tokens_per_s": len(outs) * args.max_new_tokens / seconds}
+        if isinstance(peer, DsparkPeer):
+            hist = peer.history
+            row["tau"] = sum(len(o.token_ids) - 1 for o in hist) / max(sum(o.steps for o in hist), 1)
+        rows.append(row)
+        log(f"speed {peer.name}: {row['tokens_per_s']:.1f} tok/s")
+    plain_rate = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_plain"] = row["tokens_per_s"] / plain_rate
+    return rows
+
+
+def macro_tau(rows, drafter: str, temperature: float) -> float | None:
+    taus = [r["tau"] for r in rows if r.get("drafter") == drafter and r["temperature"] == temperature]
+    return statistics.mean(taus) if taus else None
+
+
+def headline(rows: list[dict]) -> dict:
+    h = {}
+    for t in sorted({r["temperature"] for r in rows if r["section"] == "acceptance"}):
+        suffix = "" if t == 1.0 else f"_t{t:g}"
+        d = macro_tau(rows, "dspark", t)
+        for other in ("dflash", "eagle3", "mtp"):
+            o = macro_tau(rows, other, t)
+            if d and o:
+                h[f"tau_dspark_over_{other}{suffix}"] = d / o
+    speed = {r["system"]: r for r in rows if r["section"] == "speed"}
+    if "dspark" in speed:
+        h["dspark_vs_plain_bs1"] = speed["dspark"]["vs_plain"]
+        if "llama.cpp" in speed:
+            h["dspark_vs_llamacpp_bs1"] = speed["dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
+    return h
+
+
+def plot_positions(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows if r["section"] == "acceptance"})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.5), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for drafter in dict.fromkeys(r["drafter"] for r in rows if r["section"] == "acceptance"):
+            sel = [r for r in rows if r.get("drafter") == drafter and r["temperature"] == t]
+            gamma = sel[0]["gamma"]
+            mean = [statistics.mean([r["position_accept"][k] for r in sel if r["position_accept"][k] is not None] or [0])
+                    for k in range(gamma)]
+            ax.plot(range(1, gamma + 1), mean, "o-", label=drafter)
+        ax.set_title(f"temperature {t:g}: conditional acceptance (mean over sets)", fontsize=9)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    acc = [r for r in rows if r["section"] == "acceptance"]
+    sets = list(dict.fromkeys(r["set"] for r in acc))
+    table = []
+    for t in sorted({r["temperature"] for r in acc}):
+        for drafter in dict.fromkeys(r["drafter"] for r in acc):
+            row = {"T": t, "drafter": drafter}
+            row.update({s: r["tau"] for r in acc for s in [r["set"]] if r["drafter"] == drafter and r["temperature"] == t})
+            row["mean"] = macro_tau(acc, drafter, t)
+            table.append(row)
+    pos = []
+    for r in acc:
+        if r["temperature"] == 1.0:
+            pos.append({"drafter": r["drafter"], "set": r["set"],
+                        **{f"k={k + 1}": x for k, x in enumerate(r["position_accept"])}})
+    speed = [r for r in rows if r["section"] == "speed"]
+    gamma = max((r["gamma"] for r in acc), default=0)
+    return "\n".join([
+        result_preamble(result),
+        "## Acceptance length τ (accepted drafts + 1 per verify cycle)\n",
+        markdown_table(table, ["T", "drafter", *sets, "mean"]),
+        "\n## Conditional acceptance by position, temperature 1\n",
+        markdown_table(pos, ["drafter", "set", *[f"k={k + 1}" for k in range(gamma)]]),
+        "\n## Single request, greedy, tokens/s\n",
+        markdown_table(speed, ["system", "requests", "new_tokens", "tokens_per_s", "vs_plain", "tau"]),
+        "\n## Headline\n",
+        markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()], ["figure", "value"]),
+        "\n![position-wise acceptance](drafters_positions.png)",
+    ])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    log = Log()
+    plain = LLM(drafter="none", dtype=args.dtype, max_num_seqs=args.batch)
+    llms = {name: plain.sibling(folder, gamma=7) for name, folder in args.drafter_dirs.items()}
+    for llm in llms.values():  # every draft verified, whatever γ the drafter was trained with
+        llm.engine.scheduler.gamma = llm.engine.drafter.gamma
+    result = result_header("drafters", __file__, argv)
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype")} | {"drafters": args.drafter_dirs}
+    rows = acceptance_rows(llms, args, log)
+    rows += speed_rows(llms, plain, args, log)
+    result["rows"], result["headline"] = rows, headline(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot_positions(rows, out.parent / f"{out.name}_positions.png")
+    json_path, md_path = write_result(out, result, markdown(result))
+    log(f"wrote {json_path} and {md_path}; headline {result['headline']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""A bounded load test of `dspark serve` on loopback: --clients concurrent clients send --requests requests
+(chat, mixed streaming and not, some disconnecting mid-stream), greedy, then the same requests go through the
+offline engine at the same concurrency. Checks: no response lost or corrupted, every greedy answer equal to
+the offline one (fp32 by default, where batch composition cannot change a greedy answer), the engine idle
+afterwards; reports latency percentiles, total tokens/s, and server over offline throughput.
+
+    python benchmarks/serve_load.py            # 32 clients, 320 requests; writes benchmarks/results/serve_load.*
+    python benchmarks/serve_load.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2 as httpx
+import torch
+import uvicorn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
+                               result_header, result_preamble, write_result)
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.serve.app import build_app  # noqa: E402
+
+FULL = {"clients": 32, "requests": 320, "max_tokens": 48, "stream_fraction": 0.5, "disconnect_fraction": 0.1}
+QUICK = {"clients": 4, "requests": 12, "max_tokens": 8, "stream_fraction": 0.5, "disconnect_fraction": 0.2}
+MODEL = "dspark"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    for key, value in FULL.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None, help=f"[{value}; quick {QUICK[key]}]")
+    p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s]")
+    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
+    p.add_argument("--out", default=str(RESULTS_DIR / "serve_load"))
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_request(url: str, job: dict) -> dict:
+    """Send one chat request as a client would; returns what came back and how long it took."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": job["text"]}], "temperature": 0,
+            "max_tokens": job["max_tokens"], "stream": job["mode"] != "plain"}
+    start = time.perf_counter()
+    out = {"index": job["index"], "mode": job["mode"]}
+    try:
+        if job["mode"] == "plain":
+            r = httpx.post(url, json=body, timeout=600)
+            out.update(status=r.status_code, latency=time.perf_counter() - start)
+            data = r.json()
+            out.update(text=data["choices"][0]["message"]["content"], finish=data["choices"][0]["finish_reason"],
+                       tokens=data["usage"]["completion_tokens"])
+            return out
+        with httpx.stream("POST", url, json=body, timeout=600) as r:
+            out["status"] = r.status_code
+            text, finish, events = "", None, 0
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]["message"]
+                    break
+                if events == 0:
+                    out["first_token"] = time.perf_counter() - start
+                events += 1
+                text += chunk["choices"][0]["delta"].get("content") or ""
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if job["mode"] == "disconnect" and events >= 3:
+                    break  # leave mid-stream: closing the response drops the connection
+            out.update(text=text, finish=finish, latency=time.perf_counter() - start)
+    except Exception as exc:  # recorded as a lost response
+        out["exception"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    log = Log()
+    llm = LLM(drafter=args.drafter, dtype=args.dtype, max_num_seqs=args.clients)
+    texts = [p["text"] for p in load_prompts(args.data_dir, min(args.requests, 150))]
+    rng = random.Random(0)
+    jobs = []
+    for i in range(args.requests):
+        u = rng.random()
+        mode = ("disconnect" if u < args.disconnect_fraction else
+                "stream" if u < args.disconnect_fraction + args.stream_fraction else "plain")
+        jobs.append({"index": i, "text": texts[i % len(texts)], "mode": mode, "max_tokens": args.max_tokens})
+
+    app = build_app(llm, MODEL, max_waiting=args.requests)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    log(f"server up; {args.requests} requests from {args.clients} clients")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        answers = list(pool.map(lambda job: one_request(url, job), jobs))
+    server_seconds = time.perf_counter() - start
+    time.sleep(1.0)
+    engine = llm.engine
+    idle = not engine.running and not engine.waiting and app.state.engine.in_flight() == 0 and engine.cache.num_used == 0
+    metrics_text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    server.should_exit = True
+    thread.join(60)
+    log(f"server pass: {server_seconds:.1f} s; engine idle afterwards: {idle}")
+
+    # the same requests offline, at the same concurrency (disconnected ones included: the server ran them too)
+    offline_llm = llm.sibling(args.drafter, max_num_seqs=args.clients)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    prompts = [offline_llm.chat_prompt(j["text"]) for j in jobs]
+    start = time.perf_counter()
+    offline = offline_llm.generate(prompts, greedy)
+    offline_seconds = time.perf_counter() - start
+    log(f"offline pass: {offline_seconds:.1f} s")
+
+    complete = [a for a in answers if a["mode"] != "disconnect"]
+    lost = [a for a in complete if a.get("exception") or a.get("status") != 200 or a.get("error")
+            or (a["mode"] == "stream" and not a.get("done")) or a.get("finish") is None]
+    equal = [a for a in complete if a.get("text") == offline[a["index"]].text]
+    server_tokens = sum(len(offline[a["index"]].token_ids) for a in complete)
+    offline_tokens = sum(len(o.token_ids) for o in offline)
+    latencies = sorted(a["latency"] for a in complete if "latency" in a)
+    firsts = sorted(a["first_token"] for a in complete if "first_token" in a)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    aborted = next((float(line.split()[-1]) for line in metrics_text.splitlines()
+                    if line.startswith('dspark_requests_total{finish_reason="abort"}')), 0.0)
+    # conservative for the server: its partial work on disconnected requests is not counted, while the
+    # offline pass counts those requests' whole answers
+    server_rate = server_tokens / server_seconds
+    offline_rate = offline_tokens / offline_seconds
+    result = result_header("serve_load", __file__, argv)
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "drafter", "dtype")}
+    row = {"requests": len(jobs), "completed": len(complete), "disconnects": len(jobs) - len(complete),
+           "lost_or_corrupted": len(lost), "greedy_equal_offline": len(equal) / max(len(complete), 1),
+           "engine_idle_after": idle, "aborted_in_metrics": aborted,
+           "latency_p50_s": pct(latencies, 0.5), "latency_p90_s": pct(latencies, 0.9), "latency_p99_s": pct(latencies, 0.99),
+           "first_token_p50_s": pct(firsts, 0.5), "first_token_p90_s": pct(firsts, 0.9),
+           "server_tokens_per_s": server_rate, "offline_tokens_per_s": offline_rate,
+           "server_seconds": server_seconds, "offline_seconds": offline_seconds}
+    result["rows"] = [row]
+    result["headline"] = {"server_over_offline_throughput": server_rate / offline_rate, "server_lost_responses": len(lost),
+                          "server_greedy_equal_offline": row["greedy_equal_offline"]}
+    if lost:
+        result["lost_examples"] = lost[:5]
+    md = "\n".join([result_preamble(result), markdown_table([{"figure": k, "value": v} for k, v in row.items()],
+                                                            ["figure", "value"]),
+                    "\n## Headline\n", markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()],
+                                                      ["figure", "value"])])
+    json_path, md_path = write_result(args.out, result, md)
+    log(f"wrote {json_path}; headline {result['headline']}")
+    return 0 if not lost and idle else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
