@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import socket
 import statistics
 import sys
@@ -107,12 +106,10 @@ def main(argv=None) -> int:
     log = Log()
     llm = LLM(drafter=args.drafter, dtype=args.dtype, max_num_seqs=args.clients)
     texts = [p["text"] for p in load_prompts(args.data_dir, min(args.requests, 150))]
-    rng = random.Random(0)
     jobs = []
-    for i in range(args.requests):
-        u = rng.random()
-        mode = ("disconnect" if u < args.disconnect_fraction else
-                "stream" if u < args.disconnect_fraction + args.stream_fraction else "plain")
+    for i in range(args.requests):  # evenly spread: every 1/fraction-th request disconnects, then streams
+        hits = lambda f: int((i + 1) * f) > int(i * f)  # noqa: E731
+        mode = "disconnect" if hits(args.disconnect_fraction) else "stream" if hits(args.stream_fraction) else "plain"
         jobs.append({"index": i, "text": texts[i % len(texts)], "mode": mode, "max_tokens": args.max_tokens})
 
     app = build_app(llm, MODEL, max_waiting=args.requests)

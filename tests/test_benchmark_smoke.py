@@ -61,25 +61,35 @@ def test_engine_speed_quick_writes_result(tmp_path):
         assert any("llama.cpp skipped" in note for note in result["notes"])
 
 
-@pytest.mark.slow
-def test_drafters_quick_writes_result(tmp_path, base_llm_fp32):
-    """Untrained DSpark and Eagle3-style drafters for SmolLM2 through the drafter benchmark's smoke settings."""
+@pytest.fixture(scope="module")
+def random_drafters(tmp_path_factory, base_llm_fp32):
+    """Untrained DSpark and Eagle3-style drafters for SmolLM2 (bf16 files)."""
     from dspark.draft.checkpoint import draft_config, save_drafter
     from dspark.draft.dspark_model import DSparkModel
     from dspark.draft.eagle3_model import Eagle3Model, eagle3_config
 
+    folder = tmp_path_factory.mktemp("drafters")
     config = base_llm_fp32.engine.target.config.to_dict()
     torch.manual_seed(0)
-    save_drafter(DSparkModel(draft_config(config, markov_rank=8)), tmp_path / "dspark", dtype=torch.bfloat16)
-    save_drafter(Eagle3Model(eagle3_config(config)), tmp_path / "eagle3", dtype=torch.bfloat16)
-    out = tmp_path / "drafters"
-    argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6",
-            "--drafters", f"dspark={tmp_path / 'dspark'},eagle3={tmp_path / 'eagle3'}", "--out", str(out)]
+    save_drafter(DSparkModel(draft_config(config, markov_rank=8)), folder / "dspark", dtype=torch.bfloat16)
+    save_drafter(Eagle3Model(eagle3_config(config)), folder / "eagle3", dtype=torch.bfloat16)
+    return folder
+
+
+def run_script(name: str, argv: list[str]) -> int:
     threads = torch.get_num_threads()
     try:
-        assert load_script(BENCHMARKS / "drafters.py").main(argv) == 0
+        return load_script(BENCHMARKS / name).main(argv)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the scripts set the process-wide thread count
+
+
+@pytest.mark.slow
+def test_drafters_quick_writes_result(tmp_path, random_drafters):
+    out = tmp_path / "drafters"
+    argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6",
+            "--drafters", f"dspark={random_drafters / 'dspark'},eagle3={random_drafters / 'eagle3'}", "--out", str(out)]
+    assert run_script("drafters.py", argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     acc = [r for r in result["rows"] if r["section"] == "acceptance"]
     assert {(r["drafter"], r["temperature"], r["set"]) for r in acc} == {
@@ -88,3 +98,29 @@ def test_drafters_quick_writes_result(tmp_path, base_llm_fp32):
     assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3"]
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
+    out = tmp_path / "sweep"
+    assert run_script("concurrency_sweep.py", ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"),
+                                               "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    configs = {(r["concurrency"], r["config"]) for r in result["rows"]}
+    assert configs == {(R, c) for R in (1, 3) for c in ("plain", "fixed3", "algorithm1", "async")}
+    for row in result["rows"]:
+        assert row["total_tokens_per_s"] > 0 and row["tau"] >= 1.0
+        assert row["mean_verified"] == 0 if row["config"] == "plain" else row["mean_verified"] <= 7
+    assert "sched_over_best_fixed_min" in result["headline"] and result["cost_table"]["verify_sizes"]
+    assert (tmp_path / "sweep_pareto.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_serve_load_quick_loses_nothing(tmp_path):
+    out = tmp_path / "load"
+    assert run_script("serve_load.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    row = result["rows"][0]
+    assert row["lost_or_corrupted"] == 0 and row["engine_idle_after"] is True
+    assert row["greedy_equal_offline"] == 1.0 and row["disconnects"] > 0
+    assert result["headline"]["server_over_offline_throughput"] > 0
