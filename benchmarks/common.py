@@ -157,3 +157,30 @@ def run_interleaved(peers: list, batches: list[list[list[int]]], n: int, rotatio
             prev_outs, prev_seconds = result[peer.name]
             result[peer.name] = (prev_outs + outs, prev_seconds + seconds)
     return result
+
+
+def add_presets(parser, full: dict, quick: dict) -> None:
+    """--quick plus one option per preset key, its full and quick defaults in the help."""
+    parser.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
+    for key, value in full.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
+                            help=f"[{value}; quick {quick[key]}]")
+
+
+def apply_presets(args, full: dict, quick: dict):
+    """Fill the preset options the command line left unset."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def finish(result: dict, out: str | Path, markdown_fn, plots: dict, log) -> int:
+    """Write the plots ({suffix: fn(path)}), out.json and out.md; log where they went."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, plot in plots.items():
+        plot(out.parent / f"{out.name}_{suffix}.png")
+    json_path, md_path = write_result(out, result, markdown_fn(result))
+    log(f"wrote {json_path} and {md_path}; headline {result.get('headline')}")
+    return 0

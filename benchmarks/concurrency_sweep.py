@@ -23,8 +23,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
-                               result_header, result_preamble, write_result)
+from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
+                               result_header, result_preamble)
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.schedule import CostTable  # noqa: E402
 from dspark.schedule.profile import profile_engine  # noqa: E402
@@ -38,9 +38,7 @@ QUICK = {"concurrency": "1,3", "max_new_tokens": 8, "min_requests": 3, "repeats"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    for key, value in FULL.items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None, help=f"[{value}; quick {QUICK[key]}]")
+    add_presets(p, FULL, QUICK)
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter folder [the bundled default drafter]")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix survival of the threshold baseline [%(default)s]")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -49,10 +47,7 @@ def parse_args(argv):
     p.add_argument("--cost-table", default=None, help="a table from `dspark profile` (default: profile now)")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=str(RESULTS_DIR / "concurrency_sweep"))
-    args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = apply_presets(p.parse_args(argv), FULL, QUICK)
     return args
 
 
@@ -202,12 +197,7 @@ def main(argv=None) -> int:
             log(f"R={R} {config}: {row['total_tokens_per_s']:.1f} tok/s total, "
                 f"{row['per_request_tokens_per_s']:.1f} per request, ℓ {row['mean_verified']:.2f}, τ {row['tau']:.2f}")
     result["rows"], result["headline"] = rows, headline(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pareto_plot(rows, out.parent / f"{out.name}_pareto.png")
-    json_path, md_path = write_result(out, result, markdown(result))
-    log(f"wrote {json_path} and {md_path}")
-    return 0
+    return finish(result, args.out, markdown, {"pareto": lambda path: pareto_plot(rows, path)}, log)
 
 
 if __name__ == "__main__":

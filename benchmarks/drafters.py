@@ -24,8 +24,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, markdown_table, result_header,  # noqa: E402
-                               result_preamble, run_interleaved, write_result)
+from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, markdown_table, result_header,  # noqa: E402
+                               result_preamble, run_interleaved)
 from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
@@ -40,19 +40,13 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--drafters", required=True, help="comma-separated name=folder pairs (names as in the table: "
                    "dspark, dflash, eagle3, mtp)")
-    p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test")
-    for key, value in FULL.items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
-                       help=f"[{value}; quick {QUICK[key]}]")
+    add_presets(p, FULL, QUICK)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")
     p.add_argument("--out", default=str(RESULTS_DIR / "drafters"))
-    args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = apply_presets(p.parse_args(argv), FULL, QUICK)
     args.drafter_dirs = dict(pair.split("=", 1) for pair in args.drafters.split(","))
     return args
 
@@ -241,12 +235,7 @@ def main(argv=None) -> int:
     rows = acceptance_rows(llms, args, log)
     rows += speed_rows(llms, plain, args, log)
     result["rows"], result["headline"] = rows, headline(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    plot_positions(rows, out.parent / f"{out.name}_positions.png")
-    json_path, md_path = write_result(out, result, markdown(result))
-    log(f"wrote {json_path} and {md_path}; headline {result['headline']}")
-    return 0
+    return finish(result, args.out, markdown, {"positions": lambda path: plot_positions(rows, path)}, log)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ import uvicorn
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
+from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
                                result_header, result_preamble, write_result)
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.serve.app import build_app  # noqa: E402
@@ -38,18 +37,13 @@ MODEL = "dspark"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    for key, value in FULL.items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None, help=f"[{value}; quick {QUICK[key]}]")
+    add_presets(p, FULL, QUICK)
     p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s]")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=str(RESULTS_DIR / "serve_load"))
-    args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    args = apply_presets(p.parse_args(argv), FULL, QUICK)
     return args
 
 

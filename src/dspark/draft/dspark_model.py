@@ -123,23 +123,20 @@ class ConfidenceHead(nn.Module):
         return self.proj(h if e is None else torch.cat([h, e], -1)).squeeze(-1)
 
 
-class DSparkModel(nn.Module):
+class FeatureDrafterModel(nn.Module):
+    """What every drafter that reads target features has: its config, the target's embedding and LM head
+    (frozen, shared), the context projection fc over the chosen target layers, and rotary tables."""
+
     def __init__(self, config: dict):
         super().__init__()
         c = self.c = config_namespace(config)
         self.config = dict(config)
-        self.block_size, self.mask_token_id = c.block_size, c.mask_token_id
+        self.block_size = c.block_size
         self.target_layer_ids = tuple(c.target_layer_ids)
         d = c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, d)
         self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
         self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(d, c.rms_norm_eps)
-        self.markov_head = MarkovHead(c) if c.markov_rank > 0 else None
-        self.confidence_head = (ConfidenceHead(c, c.confidence_head_with_markov and c.markov_rank > 0)
-                                if c.enable_confidence_head else None)
         self.rotary_config = SimpleNamespace(**{**config, "head_dim": c.head_dim})
         self.rotary = Rotary(self.rotary_config)
         self.embed_tokens.requires_grad_(False)
@@ -148,6 +145,19 @@ class DSparkModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+
+class DSparkModel(FeatureDrafterModel):
+    def __init__(self, config: dict):
+        super().__init__(config)
+        c, d = self.c, self.c.hidden_size
+        self.mask_token_id = c.mask_token_id
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.markov_head = MarkovHead(c) if c.markov_rank > 0 else None
+        self.confidence_head = (ConfidenceHead(c, c.confidence_head_with_markov and c.markov_rank > 0)
+                                if c.enable_confidence_head else None)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """H_ctx [N, d] from the concatenated target features [N, m*d]."""

@@ -13,13 +13,11 @@ Parameter names follow Eagle3's released drafters: `fc`, `midlayer.*`, `norm`, `
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
-from ..target.model import RMSNorm, Rotary
-from .dspark_model import Attend, DraftAttention, DraftMLP, config_namespace
+from ..target.model import RMSNorm
+from .dspark_model import Attend, DraftAttention, DraftMLP, FeatureDrafterModel
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -41,29 +39,13 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(FeatureDrafterModel):
     confidence_head = None  # no confidence: its drafts are verified by length only
 
     def __init__(self, config: dict):
-        super().__init__()
-        c = self.c = config_namespace(config)
-        self.config = dict(config)
-        self.block_size = c.block_size  # draft steps per cycle
-        self.target_layer_ids = tuple(c.target_layer_ids)
-        d = c.hidden_size
-        self.embed_tokens = nn.Embedding(c.vocab_size, d)
-        self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
-        self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
-        self.midlayer = Eagle3Layer(c)
-        self.norm = RMSNorm(d, c.rms_norm_eps)
-        self.rotary_config = SimpleNamespace(**{**config, "head_dim": c.head_dim})
-        self.rotary = Rotary(self.rotary_config)
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        super().__init__(config)  # block_size: draft steps per cycle
+        self.midlayer = Eagle3Layer(self.c)
+        self.norm = RMSNorm(self.c.hidden_size, self.c.rms_norm_eps)
 
     @property
     def layers(self):  # the layer list as DSparkModel names it (initialisation from the target reads it)

@@ -121,23 +121,27 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
                 "total_tokens": prompt_tokens + len(out.token_ids)}
 
     def sse(stream: Stream, chunk, include_usage: bool):
-        """Server-sent events from chunk(delta, finish_reason) dicts; aborts the request on disconnect."""
+        """Server-sent events from chunk(delta, finish_reason, first) dicts; aborts the request on disconnect."""
+        def event(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
         async def events():
-            finished = False
+            finished, first = False, True
             try:
-                first = True
                 async for out in stream:
                     if out.finish_reason == "error":
                         finished = True
-                        yield f"data: {json.dumps({'error': {'message': out.error, 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+                        yield event({"error": {"message": out.error, "type": "server_error", "param": None,
+                                               "code": None}})
                         break
                     if out.delta or first or out.finished:
-                        yield f"data: {json.dumps(chunk(out.delta, out.finish_reason if out.finished else None, first))}\n\n"
+                        yield event(chunk(out.delta, out.finish_reason if out.finished else None, first))
                         first = False
                     if out.finished:
                         finished = True
                         if include_usage:
-                            yield f"data: {json.dumps({**chunk(None, None, False), 'choices': [], 'usage': usage(out, stream.prompt_tokens)})}\n\n"
+                            yield event({**chunk(None, None, False), "choices": [],
+                                         "usage": usage(out, stream.prompt_tokens)})
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:
