@@ -8,15 +8,23 @@ import time
 from .schedule import SCHEDULERS
 
 
-def add_engine_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("model and engine")
+def add_target_args(g):
     g.add_argument("--target", default=None,
                    help="target model: a Hugging Face folder, a .gguf file, or a hub id already in the local "
                         "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
-    g.add_argument("--drafter", default="prompt-lookup",
-                   help="draft model: none (plain decoding), prompt-lookup (n-gram match against the context) "
-                        "or the folder of a DSpark/DFlash drafter (config.json + model.safetensors, the released "
-                        "layout) (default: %(default)s)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_engine_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model and engine")
+    add_target_args(g)
+    g.add_argument("--drafter", default="auto",
+                   help="draft model: auto (the bundled DSpark drafter where it fits the target, else "
+                        "prompt-lookup), default (the bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain "
+                        "decoding), prompt-lookup (n-gram match against the context) or the folder of a DSpark, "
+                        "DFlash or Eagle3-style drafter (config.json + model.safetensors, the released layout) "
+                        "(default: %(default)s)")
     g.add_argument("--scheduler", default="fixed", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step (default: %(default)s)")
     g.add_argument("--gamma", type=int, default=7, help="draft block size γ (default: %(default)s)")
@@ -25,8 +33,6 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "profiled once for this target, drafter and machine, and cached)")
     g.add_argument("--threshold", type=float, default=0.5,
                    help="prefix-survival threshold of the threshold scheduler (default: %(default)s)")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the target's max_position_embeddings)")
 
@@ -80,7 +86,8 @@ def cmd_generate(args) -> int:
     if not args.quiet:
         n = len(out.token_ids)
         rate = out.drafts_accepted / out.drafts_verified if out.drafts_verified else 0.0
-        print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s | drafter {args.drafter}: "
+        drafter = type(llm.engine.drafter).__name__
+        print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s | {drafter}: "
               f"acceptance length τ {out.acceptance_length:.2f}, {out.drafts_accepted}/{out.drafts_verified} "
               f"drafts accepted ({rate:.0%}) | finish: {out.finish_reason}]", file=sys.stderr)
     return 0
@@ -295,9 +302,7 @@ def add_calibrate_parser(sub):
     ca.add_argument("--max-tokens", type=int, default=128, help="answer tokens per prompt (default: %(default)s)")
     ca.add_argument("--max-num-seqs", type=int, default=16, help="requests at once (default: %(default)s)")
     ca.add_argument("--plot", default=None, help="reliability diagram PNG (default: DRAFTER/reliability.png)")
-    ca.add_argument("--target", default=None, help="target model (default: the bundled SmolLM2-135M-Instruct)")
-    ca.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
-    ca.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_target_args(ca)
     ca.set_defaults(func=cmd_calibrate)
 
 

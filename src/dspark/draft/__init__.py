@@ -3,14 +3,27 @@ from pathlib import Path
 from .base import Drafter, NoDrafter, Proposal
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTERS = ("default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
+DRAFTERS = ("auto", "default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
 # the DSpark drafter trained by this project for the bundled SmolLM2-135M-Instruct (trainable weights only)
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dspark"
 
 
+def default_fits(target) -> bool:
+    """Whether the bundled drafter exists and was trained for this target's shape (the bundled SmolLM2)."""
+    import json
+
+    path = DEFAULT_DRAFTER_DIR / "config.json"
+    if target is None or not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    c = target.config
+    return (config.get("vocab_size"), config.get("hidden_size"), config.get("num_target_layers")) == (
+        c.vocab_size, c.hidden_size, c.num_hidden_layers)
+
+
 def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
-    """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct, "none",
-    "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`) or an
+    """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "auto": that
+    one where it fits the target, else prompt lookup; "none"; "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`) or an
     instance."""
     if isinstance(spec, Drafter):
         return spec
@@ -18,6 +31,10 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
+    if spec == "auto":  # the bundled drafter where it fits the target, else prompt lookup
+        spec = "default" if default_fits(target) else "prompt-lookup"
+        if spec == "prompt-lookup":
+            return PromptLookupDrafter(gamma=gamma)
     if spec == "default":
         if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
             raise ValueError(f"no default drafter is bundled at {DEFAULT_DRAFTER_DIR}; give a drafter folder")

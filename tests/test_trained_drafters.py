@@ -1,0 +1,85 @@
+"""The committed drafters for SmolLM2-135M-Instruct (the bundled DSpark default and the DFlash, Eagle3-style
+and MTP-1 baselines) keep the engine lossless: greedy output equals plain greedy (fp32) with every drafter
+and every scheduler, and at temperature 1 the joint distribution of the first tokens equals plain sampling
+(G-test against the exact target tree, as in test_lossless_distribution) with the trained drafters and the
+confidence schedulers. They also load as the released layout says and stay under 25 MB.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from stats_utils import g_test
+from target_tree import TargetTree
+
+from dspark.config import EngineConfig
+from dspark.draft import DEFAULT_DRAFTER_DIR, make_drafter
+from dspark.engine.llm_engine import LLMEngine
+from dspark.sampling import SamplingParams
+from dspark.schedule import CostTable, make_scheduler
+from test_lossless_distribution import ALPHA, REAL_PROMPT
+
+REPO_DRAFTERS = DEFAULT_DRAFTER_DIR.parents[2] / "drafters"
+DRAFTERS = {"dspark": DEFAULT_DRAFTER_DIR, "dflash": REPO_DRAFTERS / "smollm2-135m-dflash",
+            "eagle3": REPO_DRAFTERS / "smollm2-135m-eagle3", "mtp": REPO_DRAFTERS / "smollm2-135m-mtp1"}
+# a cost table of this machine's shape (verify time flat to B = 8, then growing), so the schedulers trim
+COST = CostTable(list(range(1, 513)), [0.04 + 0.0015 * max(0, b - 8) for b in range(1, 513)], [1, 512], [0.005, 0.5])
+SAMPLES = 20_000
+TOKENS = 4  # compared per request: the prefill's token, then a verify step of up to 2 drafts and its bonus
+
+
+def drafter_dir(name: str):
+    folder = DRAFTERS[name]
+    assert (folder / "config.json").is_file(), f"the {name} drafter is not committed at {folder}"
+    return folder
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_committed_drafter_layout_and_size(name):
+    folder = drafter_dir(name)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert size < 25 * 2**20, f"{name}: {size / 2**20:.1f} MB"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == 49152 and config["hidden_size"] == 576
+    assert config["architectures"] == (["LlamaForCausalLMEagle3"] if name in ("eagle3", "mtp") else ["Qwen3DSparkModel"])
+    assert config["block_size"] == (1 if name == "mtp" else 7)
+
+
+GREEDY_CASES = [(d, "fixed") for d in DRAFTERS] + [("dspark", s) for s in ("threshold", "algorithm1", "async")]
+
+
+@pytest.mark.parametrize("name,scheduler", GREEDY_CASES)
+def test_greedy_equals_plain_with_trained_drafters(name, scheduler, make_llm, chat_ids, solo_greedy, greedy):
+    llm = make_llm(str(drafter_dir(name)), scheduler, cost_table=COST, max_num_seqs=4)
+    outs = llm.generate(chat_ids, greedy)
+    assert [o.token_ids for o in outs] == solo_greedy
+    accepted = sum(o.drafts_accepted for o in outs)
+    assert accepted > 0  # the drafter really drafted and was right sometimes
+
+
+DISTRIBUTION_CASES = [("dspark", "fixed"), ("dspark", "async"), ("dspark", "algorithm1"), ("eagle3", "fixed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,scheduler", DISTRIBUTION_CASES)
+def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
+    target, tokenizer = llm_bf16.engine.target, llm_bf16.tokenizer
+    params = SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True)
+    prompt = tokenizer.encode(REAL_PROMPT, add_special_tokens=False)
+    tree = TargetTree(target, prompt, params, SAMPLES, depth=TOKENS)
+    config = EngineConfig(dtype="bf16", max_num_seqs=512, max_model_len=len(prompt) + TOKENS + 8)
+    drafter = make_drafter(str(drafter_dir(name)), target=target, max_model_len=config.max_model_len)
+    engine = LLMEngine(target, tokenizer, drafter, make_scheduler(scheduler, drafter.gamma, cost=COST), config)
+    requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(SAMPLES)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.finish_reason == "length" for r in requests)
+    keys, probs = tree.cells()
+    index = {key: i for i, key in enumerate(keys)}
+    counts = np.bincount([index[tree.cell_of(r.output_ids)] for r in requests], minlength=len(keys))
+    verified = sum(sum(st.verified) for st in engine.stats)
+    accepted = sum(sum(st.accepted) for st in engine.stats)
+    assert verified > SAMPLES / 2 and 0 < accepted < verified  # drafts were verified, some accepted
+    assert g_test(counts, probs) > ALPHA
