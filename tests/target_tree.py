@@ -117,7 +117,7 @@ class TreeDrafter(Drafter):
     def __init__(self, tree: TargetTree, vocab_size: int, temperature: float):
         self.tree, self.vocab_size, self.temperature = tree, vocab_size, temperature
 
-    def propose(self, requests: list) -> Proposal:
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
         R = len(requests)
         tokens = torch.zeros(R, 1, dtype=torch.long)
         q = torch.zeros(R, 1, self.vocab_size)

@@ -23,7 +23,7 @@ class NoisyReferenceDrafter(Drafter):
         self.noise, self.dense, self.random_lengths = noise, dense, random_lengths
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, requests: list) -> Proposal:
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
         R, G, g = len(requests), self.gamma, self.gen
         tokens = torch.randint(0, self.vocab_size, (R, G), generator=g)  # wrong guesses past the reference
         for i, req in enumerate(requests):

@@ -253,8 +253,8 @@ def test_engine_is_lossless_under_greedy_with_every_scheduler(tiny_target, tiny_
     outs = llm.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = list(llm.engine.stats)
-    assert all(s.expected_tau is not None for s in stats)
-    assert all(s.expected_tau >= s.num_requests for s in stats)
+    drafting = [s for s in stats if sum(s.drafted)]  # steps where some request could still verify a draft
+    assert drafting and all(s.expected_tau is not None and s.expected_tau >= s.num_requests for s in drafting)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -27,8 +27,10 @@ class Drafter:
     gamma: int = 0
     target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
 
-    def propose(self, requests: list) -> Proposal:
-        """Draft for every running request (in order); sample with each request's params and generator."""
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
+        """Draft for every running request (in order); sample with each request's params and generator.
+        limit: no request can verify more drafts than this (its tokens or context run out), so drafting
+        past it is wasted work."""
         return Proposal.empty(len(requests))
 
     def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:

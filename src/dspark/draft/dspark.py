@@ -29,8 +29,11 @@ class DSparkDrafter(ContextCacheDrafter):
             self.store_context(req, self.model.context_kv(self.model.context(feats), positions))
 
     @torch.inference_mode()
-    def propose(self, requests: list) -> Proposal:
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
         R, G, m = len(requests), self.gamma, self.model
+        K = G if limit is None else max(0, min(G, limit))  # positions sampled (the block itself stays whole)
+        if K == 0:
+            return Proposal.empty(R)
         anchors = torch.tensor([r.last_token for r in requests])
         starts = torch.tensor([self.context_len[r.request_id] for r in requests])
         block = m.block_inputs(anchors)  # [R, G]
@@ -39,18 +42,18 @@ class DSparkDrafter(ContextCacheDrafter):
         self.cache.reserve(requests[-1].slot + 1, int(visible.max()) + 1)
         batch = FlatBatch(block.flatten(), positions, [G] * R, slot_start=requests[0].slot, visible=visible)
         h = m.backbone(batch.tokens, positions, self.attend(batch)).view(R, G, -1)
-        U = m.base_logits(h)  # [R, G, V]
+        U = m.base_logits(h[:, :K])  # [R, K, V]
         params = param_tensors([r.params for r in requests])
-        u = torch.stack([r.uniforms(G) for r in requests])  # [R, G]
-        tokens = torch.zeros(R, G, dtype=torch.long)
+        u = torch.stack([r.uniforms(G) for r in requests])  # [R, G]: γ per step whatever K, so seeds replay
+        tokens = torch.zeros(R, K, dtype=torch.long)
         q = torch.empty_like(U)
-        conf = torch.ones(R, G)
+        conf = torch.ones(R, K)
         temps = self.temperatures or [1.0] * G
         prev, state = anchors, m.markov_head.initial_state(R, h) if m.markov_head is not None else None
-        for k in range(G):
+        for k in range(K):
             bias, c_logit, state = m.head_step(prev, h[:, k], state)
             q[:, k] = warp(U[:, k] if bias is None else U[:, k] + bias, *params)
             tokens[:, k] = prev = sample(q[:, k], u[:, k])
             if c_logit is not None:
                 conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
-        return Proposal(tokens, q, torch.full((R,), G), conf if m.confidence_head is not None else None)
+        return Proposal(tokens, q, torch.full((R,), K), conf if m.confidence_head is not None else None)

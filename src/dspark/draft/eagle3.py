@@ -29,22 +29,25 @@ class Eagle3Drafter(ContextCacheDrafter):
             self.last_g[req.request_id] = g[-1:]
 
     @torch.inference_mode()
-    def propose(self, requests: list) -> Proposal:
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
         R, G, m = len(requests), self.gamma, self.model
+        K = G if limit is None else max(0, min(G, limit))
+        if K == 0:
+            return Proposal.empty(R)
         prev = torch.tensor([r.last_token for r in requests])
         positions = torch.tensor([self.context_len[r.request_id] for r in requests])
         g = torch.cat([self.last_g[r.request_id] for r in requests])
         self.cache.reserve(requests[-1].slot + 1, int(positions.max()) + G)
         params = param_tensors([r.params for r in requests])
         u = torch.stack([r.uniforms(G) for r in requests])
-        tokens = torch.zeros(R, G, dtype=torch.long)
-        q = torch.empty(R, G, m.c.vocab_size)
-        for k in range(G):
+        tokens = torch.zeros(R, K, dtype=torch.long)
+        q = torch.empty(R, K, m.c.vocab_size)
+        for k in range(K):
             batch = FlatBatch(prev, positions + k, [1] * R, slot_start=requests[0].slot)
             g = m.step(prev, g, batch.positions, self.attend(batch))
             q[:, k] = warp(m.draft_logits(g), *params)
             tokens[:, k] = prev = sample(q[:, k], u[:, k])
-        return Proposal(tokens, q, torch.full((R,), G))
+        return Proposal(tokens, q, torch.full((R,), K))
 
     def release(self, request, moved_from: int | None = None) -> None:
         super().release(request, moved_from)

@@ -22,7 +22,7 @@ class PromptLookupDrafter(Drafter):
                     return context[start + n:start + n + self.gamma]
         return []
 
-    def propose(self, requests: list) -> Proposal:
+    def propose(self, requests: list, limit: int | None = None) -> Proposal:
         tokens = torch.zeros(len(requests), self.gamma, dtype=torch.long)
         lengths = torch.zeros(len(requests), dtype=torch.long)
         for i, req in enumerate(requests):

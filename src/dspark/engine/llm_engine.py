@@ -110,9 +110,10 @@ class LLMEngine:
 
     def _decode(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
         t = time.perf_counter()
-        proposal = self.drafter.propose(reqs)  # 1. draft
+        room = self._room(reqs)
+        proposal = self.drafter.propose(reqs, int(room.max()))  # 1. draft
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
-        lengths = self._room(reqs, self.scheduler.plan(proposal), proposal)  # 2. plan
+        lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()
         batch = self._verify_batch(reqs, proposal.tokens, lengths)
         out = self.target(batch, self.cache)  # 3. verify
@@ -169,11 +170,11 @@ class LLMEngine:
         st.prefill_tokens = sum(lens)
         return self._emit(new, [[t] for t in first], count_step=False)
 
-    def _room(self, reqs: list[Request], planned: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-        """Clamp ℓ_r to the drafts proposed, the context left and the tokens still wanted."""
-        room = torch.tensor([min(self.max_model_len - r.num_cached - 1,
-                                 r.params.max_tokens - len(r.output_ids)) - 1 for r in reqs])
-        return torch.minimum(torch.minimum(planned, proposal.lengths), room.clamp(min=0)).long()
+    def _room(self, reqs: list[Request]) -> torch.Tensor:
+        """Drafts each request can still verify: its context and its max_tokens leave room for the drafts
+        plus the one token every step adds."""
+        return torch.tensor([min(self.max_model_len - r.num_cached - 1, r.params.max_tokens - len(r.output_ids)) - 1
+                             for r in reqs]).clamp(min=0)
 
     def _verify_batch(self, reqs: list[Request], drafts: torch.Tensor, lengths: torch.Tensor) -> FlatBatch:
         toks, pos = [], []

@@ -69,11 +69,16 @@ def stable_seed(*parts) -> int:
 
 
 def load_sequences(path: str, max_len: int) -> list[dict]:
-    recs = []
+    """Records of a regenerated JSONL, cut to max_len tokens; a repeated id (two runs appending to one file)
+    counts once."""
+    recs, seen = [], set()
     with open(path) as f:
         for line in f:
             if line.strip():
                 r = json.loads(line)
+                if r["id"] in seen:
+                    continue
+                seen.add(r["id"])
                 ids = (r["prompt_ids"] + r["answer_ids"])[:max_len]
                 recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1})
     if not recs:
