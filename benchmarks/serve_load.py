@@ -38,7 +38,7 @@ MODEL = "dspark"
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_presets(p, FULL, QUICK)
-    p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s]")
+    p.add_argument("--drafter", default="auto", help="[%(default)s: the bundled drafter]")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))

@@ -282,3 +282,24 @@ def test_feature_cache_trains_exactly_like_online_features(tiny_target_dir, trai
                  "--max-len", "64", "--layers", "1,2"]) == 0
     with pytest.raises(ValueError, match="layers"):
         Trainer(train_config(train_data, tmp_path / "x", tiny_target_dir, target_dtype="bf16", feature_cache=str(partial)))
+
+
+def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_target_dir, train_data, tmp_path):
+    from dspark.cli import main
+    from dspark.draft.checkpoint import load_drafter
+    from dspark.target.loading import load_target
+
+    Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, steps=2)).fit()
+    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "ship"),
+                 "--target", str(tiny_target_dir)]) == 0
+    weights = load_file(tmp_path / "ship" / "model.safetensors")
+    assert "embed_tokens.weight" not in weights and all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert json.loads((tmp_path / "ship" / "training.json").read_text())["step"] == 2
+    assert len((tmp_path / "ship" / "train_log.jsonl").read_text().splitlines()) == 2
+    target = load_target(str(tiny_target_dir), torch.float32)[0]
+    trained = load_drafter(tmp_path / "run", target)
+    shipped = load_drafter(tmp_path / "ship", target, dtype=torch.float32)
+    assert torch.equal(shipped.fc.weight, trained.fc.weight.bfloat16().float())
+    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "full"), "--with-frozen",
+                 "--target", str(tiny_target_dir)]) == 0
+    assert "lm_head.weight" in load_file(tmp_path / "full" / "model.safetensors")

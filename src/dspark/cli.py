@@ -376,6 +376,49 @@ def add_features_parser(sub):
     fe.set_defaults(func=cmd_features)
 
 
+def cmd_export(args) -> int:
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from .draft.checkpoint import load_drafter, save_drafter
+    from .target.loading import load_target
+
+    src, dst = Path(args.drafter), Path(args.out)
+    if dst.resolve() == src.resolve():
+        raise ValueError("export to another folder than the drafter's own")
+    target = load_target(args.target, torch.float32)[0]
+    model = load_drafter(src, target, dtype=torch.float32)
+    save_drafter(model, dst, export_frozen=args.with_frozen,
+                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    for extra in ("train_log.jsonl", "calibration.json", "reliability.png"):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
+    if (src / "train_state.pt").is_file():
+        state = torch.load(src / "train_state.pt", weights_only=False)
+        (dst / "training.json").write_text(json.dumps({"step": state["step"], "config": state["config"]}, indent=1))
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors")) / 2**20
+    print(f"exported {src} -> {dst} ({args.dtype}, {size:.1f} MB of weights)", file=sys.stderr)
+    return 0
+
+
+def add_export_parser(sub):
+    ex = sub.add_parser("export", help="write a drafter for shipping: bf16, optionally with the frozen weights",
+                        description="Write a trained drafter in the released layout (config.json + model.safetensors) "
+                                    "in bf16 or fp32: trainable weights only (they load here against the target), or "
+                                    "with the target's embedding and LM head (--with-frozen) for engines that expect "
+                                    "every weight in the file. The training log, settings and calibration come along.")
+    ex.add_argument("--drafter", required=True, help="the trained drafter folder")
+    ex.add_argument("--out", required=True, help="the folder to write")
+    ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
+    ex.add_argument("--with-frozen", action="store_true", help="include the embedding and LM head")
+    ex.add_argument("--target", default=None, help="the target the drafter was trained for (default: the bundled "
+                                                     "SmolLM2-135M-Instruct)")
+    ex.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: faster generation, "
                                      "same output distribution as the target model.")
@@ -394,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_serve_parser(sub)
     add_features_parser(sub)
+    add_export_parser(sub)
     add_calibrate_parser(sub)
     add_profile_parser(sub)
     return parser

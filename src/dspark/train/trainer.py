@@ -87,6 +87,7 @@ def load_sequences(path: str, max_len: int) -> list[dict]:
 
 
 DRAFTER_TYPES = ("dspark", "dflash", "eagle3", "mtp")
+SMALL_INIT_NORM_SCALE = 0.2
 
 
 def new_drafter(cfg: TrainConfig, target_config: dict) -> DSparkModel | Eagle3Model:
@@ -137,9 +138,8 @@ def init_from_target(model: DSparkModel | Eagle3Model, target: TargetModel) -> N
 
 
 def init_small(model: DSparkModel | Eagle3Model, target: TargetModel) -> None:
-    """Every trainable matrix N(0, 0.02), norms at one, biases zero, but the final norm the target's (the
-    shared LM head expects its scale); the sequential head at zero bias and the confidence head at 0.5 as in
-    init_from_target."""
+    """Every trainable matrix N(0, 0.02), norms at one, biases zero, the final norm a fifth of the target's;
+    the sequential head at zero bias and the confidence head at 0.5 as in init_from_target."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not p.requires_grad:
@@ -148,7 +148,10 @@ def init_small(model: DSparkModel | Eagle3Model, target: TargetModel) -> None:
                 torch.nn.init.normal_(p, std=0.02)
             else:
                 torch.nn.init.ones_(p) if name.endswith("norm.weight") else torch.nn.init.zeros_(p)
-        model.norm.weight.copy_(target.norm.weight)
+        # the shared LM head expects the target's final-norm scale; a fifth of it keeps the first drafts
+        # near uniform instead of confidently wrong (the hidden state starts as the block token's embedding,
+        # which the full scale turns into a peaked, saturated softmax that trains slowly)
+        model.norm.weight.copy_(target.norm.weight * SMALL_INIT_NORM_SCALE)
         if getattr(model, "markov_head", None) is not None:
             torch.nn.init.zeros_(model.markov_head.markov_w2.weight)
         if model.confidence_head is not None:
