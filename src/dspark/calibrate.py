@@ -166,12 +166,16 @@ def collect(llm, prompts: list, params, progress: bool = True) -> ConfidenceData
     try:
         llm.generate(prompts, params, use_tqdm=progress)
         conf, verified, accepted = [], [], []
+        G = drafter.gamma
         for st in engine.stats:
             if st.confidence is None:
-                raise ValueError("the drafter returned no confidences (no confidence head)")
-            conf += st.confidence
+                continue  # a step that drafted nothing (every request at its last token)
+            # fewer than γ columns when the requests had room for fewer drafts; the padding is never read
+            conf += [row + [0.5] * (G - len(row)) for row in st.confidence]
             verified += st.verified
             accepted += st.accepted
+        if not conf:
+            raise ValueError("the drafter returned no confidences (no confidence head)")
     finally:
         drafter.temperatures, engine.scheduler, engine.record_confidence = saved
     return ConfidenceData(np.array(conf), np.array(verified), np.array(accepted))

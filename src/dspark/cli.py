@@ -19,7 +19,7 @@ def add_target_args(g):
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model and engine")
     add_target_args(g)
-    g.add_argument("--drafter", default="auto",
+    g.add_argument("--drafter", default="prompt-lookup",
                    help="draft model: auto (the bundled DSpark drafter where it fits the target, else "
                         "prompt-lookup), default (the bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain "
                         "decoding), prompt-lookup (n-gram match against the context) or the folder of a DSpark, "

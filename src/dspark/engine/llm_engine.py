@@ -30,7 +30,7 @@ class LLMEngine:
         self.target, self.tokenizer = target, tokenizer
         self.drafter = drafter or NoDrafter()
         self.scheduler = scheduler or FixedLength()
-        target.capture_layers = tuple(self.drafter.target_layer_ids)
+        self.capture_layers = target.capture_layers = tuple(self.drafter.target_layer_ids)
         tc = target.config
         self.max_model_len = self.config.max_model_len or tc.max_position_embeddings
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
@@ -94,6 +94,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         st = StepStats()
         t0 = time.perf_counter()
+        self.target.capture_layers = self.capture_layers  # the target may be shared by several engines
         outputs = self._admit(st)
         st.t_prefill = time.perf_counter() - t0
         reqs = [r for r in self.running if not r.finished]
