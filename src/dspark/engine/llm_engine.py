@@ -11,7 +11,7 @@ from collections import deque
 import torch
 
 from ..config import EngineConfig
-from ..draft.base import Drafter, NoDrafter, Proposal
+from ..draft.base import Drafter, NoDrafter
 from ..sampling import SamplingParams, param_tensors, sample, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
