@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-long bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,10 @@ test: install
 	$(PY) -m pytest -q
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not long"
+
+test-long: install
+	$(PY) -m pytest -q -m long
 
 bench: install
 	$(PY) benchmarks/engine_speed.py

@@ -59,10 +59,10 @@ def test_greedy_equals_plain_with_trained_drafters(name, scheduler, make_llm, ch
     assert accepted > 0  # the drafter really drafted and was right sometimes
 
 
-DISTRIBUTION_CASES = [("dspark", "async"), ("dspark", "algorithm1"), ("dflash", "fixed")]
+DISTRIBUTION_CASES = [("dspark", "async")]  # 20,000 requests take about 6 minutes each on 2 cores: one case in CI
 
 
-@pytest.mark.slow
+@pytest.mark.long  # not in `make test` until its run time on the CI machine is known (`make test-long`)
 @pytest.mark.parametrize("name,scheduler", DISTRIBUTION_CASES)
 def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
     target, tokenizer = llm_bf16.engine.target, llm_bf16.tokenizer
