@@ -108,11 +108,11 @@ class FailingOnceDrafter(Drafter):
     def __init__(self, fail_at: int):
         self.calls, self.fail_at = 0, fail_at
 
-    def propose(self, requests):
+    def propose(self, requests, limit=None):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("drafter crashed")
-        return super().propose(requests)
+        return super().propose(requests, limit)
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_llm, chat_ids, solo_greedy):
