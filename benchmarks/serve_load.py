@@ -1,8 +1,10 @@
 """A bounded load test of `dspark serve` on loopback: --clients concurrent clients send --requests requests
-(chat, mixed streaming and not, some disconnecting mid-stream), greedy, then the same requests go through the
-offline engine at the same concurrency. Checks: no response lost or corrupted, every greedy answer equal to
-the offline one (fp32 by default, where batch composition cannot change a greedy answer), the engine idle
-afterwards; reports latency percentiles, total tokens/s, and server over offline throughput.
+(chat, mixed streaming and not, some disconnecting mid-stream), greedy, to a `dspark serve` process; then the
+requests that completed go through the offline engine at the same concurrency. Checks: no response lost or
+corrupted, every greedy answer equal to the offline one (fp32 by default, where batch composition cannot
+change a greedy answer), the server idle afterwards (nothing running or waiting, no KV cache held, per its
+/metrics) and exiting 0 on SIGTERM; reports latency percentiles, total tokens/s, and server over offline
+throughput.
 
     python benchmarks/serve_load.py            # 32 clients, 320 requests; writes benchmarks/results/serve_load.*
     python benchmarks/serve_load.py --quick
@@ -11,16 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
 import torch
-import uvicorn
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,7 +30,6 @@ if __package__ in (None, ""):
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
                                result_header, result_preamble, write_result)
 from dspark import LLM, SamplingParams  # noqa: E402
-from dspark.serve.app import build_app  # noqa: E402
 
 FULL = {"clients": 32, "requests": 320, "max_tokens": 48, "stream_fraction": 0.5, "disconnect_fraction": 0.1}
 QUICK = {"clients": 4, "requests": 12, "max_tokens": 8, "stream_fraction": 0.5, "disconnect_fraction": 0.2}
@@ -38,7 +39,8 @@ MODEL = "dspark"
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_presets(p, FULL, QUICK)
-    p.add_argument("--drafter", default="auto", help="[%(default)s: the bundled drafter]")
+    p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s, as `dspark serve`]")
+    p.add_argument("--scheduler", default="fixed", help="[%(default)s, as `dspark serve`]")
     p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
@@ -93,12 +95,50 @@ def one_request(url: str, job: dict) -> dict:
     return out
 
 
+def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
+    """`dspark serve` in its own process, as a user runs it; returns once /health answers."""
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--model-name", MODEL,
+           "--max-num-seqs", str(args.clients), "--max-waiting", str(args.requests), "--drafter", args.drafter,
+           "--scheduler", args.scheduler, "--dtype", args.dtype, "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not come up: {' '.join(cmd)}\n{log_path.read_text()[-2000:]}")
+
+
+def read_metrics(base: str) -> dict[str, float]:
+    metrics = {}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            metrics[name] = float(value)
+    return metrics
+
+
+def wait_idle(base: str, seconds: float = 30.0) -> dict[str, float]:
+    """The server's metrics once nothing runs, waits or holds KV cache (or after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = read_metrics(base)
+        idle = all(m.get(k, 0.0) == 0 for k in ("dspark_running_requests", "dspark_waiting_requests",
+                                                  "dspark_kv_cache_slots_used"))
+        if idle or time.monotonic() > deadline:
+            return {**m, "idle": idle}
+        time.sleep(0.5)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     log = Log()
-    llm = LLM(drafter=args.drafter, dtype=args.dtype, max_num_seqs=args.clients)
     texts = [p["text"] for p in load_prompts(args.data_dir, min(args.requests, 150))]
     jobs = []
     for i in range(args.requests):  # evenly spread: every 1/fraction-th request disconnects, then streams
@@ -106,59 +146,57 @@ def main(argv=None) -> int:
         mode = "disconnect" if hits(args.disconnect_fraction) else "stream" if hits(args.stream_fraction) else "plain"
         jobs.append({"index": i, "text": texts[i % len(texts)], "mode": mode, "max_tokens": args.max_tokens})
 
-    app = build_app(llm, MODEL, max_waiting=args.requests)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    log(f"server up; {args.requests} requests from {args.clients} clients")
-    start = time.perf_counter()
-    with ThreadPoolExecutor(args.clients) as pool:
-        answers = list(pool.map(lambda job: one_request(url, job), jobs))
-    server_seconds = time.perf_counter() - start
-    time.sleep(1.0)
-    engine = llm.engine
-    idle = not engine.running and not engine.waiting and app.state.engine.in_flight() == 0 and engine.cache.num_used == 0
-    metrics_text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    server.should_exit = True
-    thread.join(60)
-    log(f"server pass: {server_seconds:.1f} s; engine idle afterwards: {idle}")
+    base = f"http://127.0.0.1:{port}"
+    server_log = Path(args.out).with_name(Path(args.out).name + "_server.log")
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    proc = start_server(args, port, server_log)
+    log(f"`dspark serve` up (pid {proc.pid}); {args.requests} requests from {args.clients} clients")
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            answers = list(pool.map(lambda job: one_request(base + "/v1/chat/completions", job), jobs))
+        server_seconds = time.perf_counter() - start
+        after = wait_idle(base)
+        proc.send_signal(signal.SIGTERM)  # graceful shutdown: nothing runs, so it exits at once, with 0
+        exit_code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    idle = after["idle"]
+    log(f"server pass: {server_seconds:.1f} s; idle afterwards: {idle}; exit code after SIGTERM: {exit_code}")
 
-    # the same requests offline, at the same concurrency (disconnected ones included: the server ran them too)
-    offline_llm = llm.sibling(args.drafter, max_num_seqs=args.clients)
+    # the requests that completed on the server, offline, at the same concurrency (the server also ran the
+    # disconnected ones part of the way: the comparison is conservative for the server)
+    complete = [a for a in answers if a["mode"] != "disconnect"]
+    llm = LLM(drafter=args.drafter, scheduler=args.scheduler, dtype=args.dtype, max_num_seqs=args.clients)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    prompts = [offline_llm.chat_prompt(j["text"]) for j in jobs]
+    prompts = [llm.chat_prompt(jobs[a["index"]]["text"]) for a in complete]
     start = time.perf_counter()
-    offline = offline_llm.generate(prompts, greedy)
+    offline = dict(zip((a["index"] for a in complete), llm.generate(prompts, greedy)))
     offline_seconds = time.perf_counter() - start
     log(f"offline pass: {offline_seconds:.1f} s")
 
-    complete = [a for a in answers if a["mode"] != "disconnect"]
     lost = [a for a in complete if a.get("exception") or a.get("status") != 200 or a.get("error")
             or (a["mode"] == "stream" and not a.get("done")) or a.get("finish") is None]
     equal = [a for a in complete if a.get("text") == offline[a["index"]].text]
     server_tokens = sum(len(offline[a["index"]].token_ids) for a in complete)
-    offline_tokens = sum(len(o.token_ids) for o in offline)
+    offline_tokens = sum(len(o.token_ids) for o in offline.values())
     latencies = sorted(a["latency"] for a in complete if "latency" in a)
     firsts = sorted(a["first_token"] for a in complete if "first_token" in a)
 
     def pct(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    aborted = next((float(line.split()[-1]) for line in metrics_text.splitlines()
-                    if line.startswith('dspark_requests_total{finish_reason="abort"}')), 0.0)
-    # conservative for the server: its partial work on disconnected requests is not counted, while the
-    # offline pass counts those requests' whole answers
+    aborted = after.get('dspark_requests_total{finish_reason="abort"}', 0.0)
     server_rate = server_tokens / server_seconds
     offline_rate = offline_tokens / offline_seconds
     result = result_header("serve_load", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "drafter", "dtype")}
     row = {"requests": len(jobs), "completed": len(complete), "disconnects": len(jobs) - len(complete),
            "lost_or_corrupted": len(lost), "greedy_equal_offline": len(equal) / max(len(complete), 1),
-           "engine_idle_after": idle, "aborted_in_metrics": aborted,
+           "engine_idle_after": idle, "kv_slots_after": after.get("dspark_kv_cache_slots_used"),
+           "exit_code_after_sigterm": exit_code, "aborted_in_metrics": aborted,
            "latency_p50_s": pct(latencies, 0.5), "latency_p90_s": pct(latencies, 0.9), "latency_p99_s": pct(latencies, 0.99),
            "first_token_p50_s": pct(firsts, 0.5), "first_token_p90_s": pct(firsts, 0.9),
            "server_tokens_per_s": server_rate, "offline_tokens_per_s": offline_rate,
@@ -174,7 +212,7 @@ def main(argv=None) -> int:
                                                       ["figure", "value"])])
     json_path, md_path = write_result(args.out, result, md)
     log(f"wrote {json_path}; headline {result['headline']}")
-    return 0 if not lost and idle else 1
+    return 0 if not lost and idle and exit_code == 0 and len(equal) == len(complete) else 1
 
 
 if __name__ == "__main__":

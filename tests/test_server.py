@@ -160,7 +160,7 @@ def test_models_health_and_metrics(server, client):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     text = httpx.get(server.url + "/metrics").text
     for name in ("dspark_requests_total", "dspark_generation_tokens_total", "dspark_waiting_requests",
-                 "dspark_running_requests", "dspark_step_seconds_bucket", "dspark_verify_batch_tokens_bucket",
+                 "dspark_running_requests", "dspark_kv_cache_slots_used", "dspark_step_seconds_bucket", "dspark_verify_batch_tokens_bucket",
                  "dspark_acceptance_length_bucket", "dspark_drafts_verified_per_step_bucket"):
         assert name in text, name
 
@@ -227,7 +227,7 @@ def test_a_dropped_stream_frees_its_request(server):
     assert wait_until(server.idle, 30), "the dropped request is still running"
     drafter = server.llm.engine.drafter
     assert getattr(drafter, "context_len", {}) == {}
-    assert metric(server, "dspark_running_requests") == 0
+    assert metric(server, "dspark_running_requests") == 0 and metric(server, "dspark_kv_cache_slots_used") == 0
     assert metric(server, 'dspark_requests_total{finish_reason="abort"}') == aborted + 1
 
 

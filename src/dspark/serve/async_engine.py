@@ -121,7 +121,8 @@ class AsyncEngine:
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         st = self.engine.stats[-1] if self.engine.stats else None
-        self.metrics.observe_step(elapsed, st, len(self.engine.waiting), len(self.engine.running))
+        self.metrics.observe_step(elapsed, st)
+        self._observe_load()
         for out in outputs:
             self._deliver(out)
 
@@ -145,3 +146,8 @@ class AsyncEngine:
         self.engine.abort(request_id)
         out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
         self._deliver(out)
+        self._observe_load()
+
+    def _observe_load(self) -> None:
+        engine = self.engine
+        self.metrics.observe_load(len(engine.waiting), len(engine.running), engine.cache.num_used)

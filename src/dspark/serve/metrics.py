@@ -1,5 +1,5 @@
-"""Prometheus metrics of the server: requests, tokens, queue and running counts, step time, verify batch
-size B, acceptance length τ and drafts verified per step. One registry per server."""
+"""Prometheus metrics of the server: requests, tokens, queue and running counts, KV slots held, step time,
+verify batch size B, acceptance length τ and drafts verified per step. One registry per server."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,6 +19,7 @@ class Metrics:
         self.generation_tokens = Counter("dspark_generation_tokens", "tokens generated", registry=r)
         self.waiting = Gauge("dspark_waiting_requests", "requests in the waiting queue", registry=r)
         self.running = Gauge("dspark_running_requests", "requests decoding", registry=r)
+        self.kv_slots = Gauge("dspark_kv_cache_slots_used", "request slots held in the target's KV cache", registry=r)
         self.step_seconds = Histogram("dspark_step_seconds", "engine step time (prefill, draft, verify, sample)",
                                       buckets=(.005, .01, .02, .05, .1, .2, .5, 1, 2, 5), registry=r)
         self.verify_tokens = Histogram("dspark_verify_batch_tokens", "verify batch size B = Σ_r (1 + ℓ_r)",
@@ -28,10 +29,13 @@ class Metrics:
         self.acceptance = Histogram("dspark_acceptance_length", "tokens per request and step (accepted + 1), τ",
                                     buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9), registry=r)
 
-    def observe_step(self, seconds: float, st: StepStats | None, waiting: int, running: int) -> None:
-        self.step_seconds.observe(seconds)
+    def observe_load(self, waiting: int, running: int, kv_slots: int) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
+        self.kv_slots.set(kv_slots)
+
+    def observe_step(self, seconds: float, st: StepStats | None) -> None:
+        self.step_seconds.observe(seconds)
         if st is not None and st.num_requests:
             self.verify_tokens.observe(st.verify_tokens)
             for verified, accepted in zip(st.verified, st.accepted):
