@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -113,6 +114,15 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
     raise RuntimeError(f"the server did not come up: {' '.join(cmd)}\n{log_path.read_text()[-2000:]}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def read_metrics(base: str) -> dict[str, float]:
     metrics = {}
     for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
@@ -153,10 +163,11 @@ def main(argv=None) -> int:
     proc = start_server(args, port, server_log)
     log(f"`dspark serve` up (pid {proc.pid}); {args.requests} requests from {args.clients} clients")
     try:
-        start = time.perf_counter()
+        start, clients_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(proc.pid)
         with ThreadPoolExecutor(args.clients) as pool:
             answers = list(pool.map(lambda job: one_request(base + "/v1/chat/completions", job), jobs))
         server_seconds = time.perf_counter() - start
+        clients_cpu, server_cpu = time.process_time() - clients_cpu, cpu_seconds(proc.pid) - server_cpu
         after = wait_idle(base)
         proc.send_signal(signal.SIGTERM)  # graceful shutdown: nothing runs, so it exits at once, with 0
         exit_code = proc.wait(120)
@@ -200,7 +211,9 @@ def main(argv=None) -> int:
            "latency_p50_s": pct(latencies, 0.5), "latency_p90_s": pct(latencies, 0.9), "latency_p99_s": pct(latencies, 0.99),
            "first_token_p50_s": pct(firsts, 0.5), "first_token_p90_s": pct(firsts, 0.9),
            "server_tokens_per_s": server_rate, "offline_tokens_per_s": offline_rate,
-           "server_seconds": server_seconds, "offline_seconds": offline_seconds}
+           "server_seconds": server_seconds, "offline_seconds": offline_seconds,
+           # the load generator shares this machine's cores with the server: how much CPU each used in that pass
+           "server_pass_server_cpu_s": server_cpu, "server_pass_clients_cpu_s": clients_cpu}
     result["rows"] = [row]
     result["headline"] = {"server_over_offline_throughput": server_rate / offline_rate, "server_lost_responses": len(lost),
                           "server_greedy_equal_offline": row["greedy_equal_offline"]}
