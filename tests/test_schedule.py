@@ -275,3 +275,16 @@ def test_profile_cli_writes_a_cost_table_and_plot(tiny_target, tiny_target_dir, 
     llm = LLM(str(tiny_target_dir), drafter=str(tmp_path / "drafter"), gamma=BLOCK, dtype="fp32",
               scheduler="async", cost_table=str(out))
     assert isinstance(llm.engine.scheduler, AsyncBudgetScheduler) and llm.engine.scheduler.cost == table
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_profile_prefills_past_the_per_step_prefill_budget(tiny_target, tiny_target_dir):
+    """More profiling requests than one step's prefill budget admits: they all get prefilled first."""
+    from dspark.schedule.profile import profile_engine
+
+    llm = LLM(str(tiny_target_dir), drafter=DSparkDrafter(tiny_drafter(tiny_target, "vanilla")), dtype="fp32",
+              gamma=BLOCK, max_num_seqs=4)
+    llm.engine.max_prefill_tokens = 40  # 4 requests of 16 context tokens need two prefill steps
+    table = profile_engine(llm.engine, max_requests=4, context=16, repeats=1, progress=False)
+    assert table.verify_sizes[-1] == 4 * (BLOCK + 1) and all(t > 0 for t in table.verify_seconds)
+    assert not llm.engine.has_unfinished() and llm.engine.cache.num_used == 0

@@ -59,7 +59,8 @@ def profile_engine(engine: LLMEngine, max_requests: int = 64, context: int = 128
     reqs = [engine.add_request(torch.randint(100, vocab, (context,), generator=g).tolist(), params)
             for _ in range(max_requests)]
     try:
-        engine.step()  # prefill: every request now has a committed context and a first token
+        while any(not r.output_ids for r in reqs):  # prefill (over several steps past the prefill budget):
+            engine.step()  # every request now has a committed context and a first token
         sizes = [b for b in sizes if b <= max_requests * per_request]
         drafter_counts = sorted({min(max_requests, 2 ** i) for i in range(int(math.log2(max_requests)) + 1)})
         bar = tqdm(total=len(sizes) + len(drafter_counts), desc="profile", disable=not progress)
