@@ -29,6 +29,19 @@ def test_metrics_by_hand():
     assert np.isnan(roc_auc(np.array([0.2, 0.3]), np.array([1, 1])))
 
 
+def test_pooled_auc_ranks_across_positions():
+    """Within each position the confidences carry no signal (per-position AUC 0.5), but the cumulative
+    product falls with k as the survival does, so the pooled ranking the scheduler uses is informative."""
+    n = 2000
+    conf = np.tile([0.9, 0.5], (n, 1))
+    accepted = np.where(np.arange(n) % 10 < 8, 1, 0)  # 80% survive position 1, none position 2
+    accepted[:200] = 2  # 10% survive both
+    m = metrics(ConfidenceData(conf, np.full(n, 2), accepted), [1.0, 1.0])
+    assert m["positions"][0]["auc"] == pytest.approx(0.5)
+    expected = roc_auc(np.r_[np.full(n, 0.9), np.full(n, 0.45)], np.r_[accepted >= 1, accepted >= 2].astype(float))
+    assert m["auc_pooled"] == pytest.approx(expected) and m["auc_pooled"] > 0.75
+
+
 def synthetic(n: int, true_temps, seed: int = 0) -> ConfidenceData:
     """Raw confidences whose real conditional survival is σ(logit(c)/T_k): over-confident when T_k > 1."""
     rng = np.random.default_rng(seed)

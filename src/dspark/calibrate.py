@@ -94,12 +94,15 @@ def fit_sts(data: ConfidenceData, grid=GRID) -> list[float]:
 
 def metrics(data: ConfidenceData, temperatures) -> dict:
     """Per position k: ECE and Brier of the cumulative product against "x_1..x_k accepted", ROC-AUC of the
-    per-position confidence c_k for "x_k accepted given x_1..x_{k-1} were" (what the scheduler ranks);
-    and their means over positions."""
+    per-position confidence c_k for "x_k accepted given x_1..x_{k-1} were"; their means over positions; and
+    auc_pooled, the ROC-AUC of the cumulative product a_k against "x_1..x_k accepted" over every verified
+    (request-step, k): the one global ranking that Algorithm 1 and the asynchronous scheduler sort by."""
     cum = cumulative(data, temperatures)
-    rows_out = []
+    rows_out, pooled_scores, pooled_events = [], [], []
     for k in range(1, data.confidence.shape[1] + 1):
         rows, events = data.position(k)
+        pooled_scores.append(cum[rows, k - 1])
+        pooled_events.append(events)
         cond_rows = rows & (data.accepted >= k - 1)
         cond_events = (data.accepted[cond_rows] >= k).astype(np.float64)
         rows_out.append({"position": k, "samples": int(rows.sum()), "ece": ece(cum[rows, k - 1], events),
@@ -107,7 +110,8 @@ def metrics(data: ConfidenceData, temperatures) -> dict:
                          "auc": roc_auc(data.confidence[cond_rows, k - 1], cond_events),
                          "accept_rate": float(events.mean()) if len(events) else float("nan")})
     mean = {m: float(np.nanmean([r[m] for r in rows_out])) for m in ("ece", "brier", "auc")}
-    return {"positions": rows_out, **mean}
+    return {"positions": rows_out, **mean, "auc_pooled": roc_auc(np.concatenate(pooled_scores),
+                                                                   np.concatenate(pooled_events))}
 
 
 def reliability_plot(data: ConfidenceData, temperatures, path: str | Path, bins: int = 10) -> Path:

@@ -34,7 +34,8 @@ def cmd_calibrate(args) -> int:
     path = save_calibration(folder, temps, report)
     print(f"STS temperatures {[round(t, 3) for t in temps]} -> {path}; reliability diagram {plot}", file=sys.stderr)
     print(f"ECE (cumulative) {before['ece']:.4f} -> {after['ece']:.4f} | Brier {before['brier']:.4f} -> "
-          f"{after['brier']:.4f} | AUC {after['auc']:.3f} | {report['samples']} request-steps", file=sys.stderr)
+          f"{after['brier']:.4f} | AUC {after['auc']:.3f} per position, "
+          f"{after['auc_pooled']:.3f} pooled | {report['samples']} request-steps", file=sys.stderr)
     return 0
 
 
