@@ -142,7 +142,9 @@ def markdown(result: dict) -> str:
     table = markdown_table(rows, ["concurrency", "config", "total_tokens_per_s", "total_min", "total_max",
                                   "per_request_tokens_per_s", "mean_verified", "tau", "expected_tau", "mean_B"])
     head = {k: v for k, v in result["headline"].items() if not isinstance(v, dict)}
-    return "\n".join([result_preamble(result), table, "\n## Headline\n",
+    partial = [] if result.get("complete", True) else [
+        f"\n**Incomplete**: the run stopped after R = {max(r['concurrency'] for r in rows)}.\n"]
+    return "\n".join([result_preamble(result), *partial, table, "\n## Headline\n",
                       markdown_table([{"figure": k, "value": v} for k, v in head.items()], ["figure", "value"]),
                       f"\nbest fixed γ by concurrency: {result['headline'].get('best_fixed_by_concurrency')}",
                       "\n![Pareto frontier](concurrency_sweep_pareto.png)"])
@@ -196,8 +198,11 @@ def main(argv=None) -> int:
             rows.append(row)
             log(f"R={R} {config}: {row['total_tokens_per_s']:.1f} tok/s total, "
                 f"{row['per_request_tokens_per_s']:.1f} per request, ℓ {row['mean_verified']:.2f}, τ {row['tau']:.2f}")
-    result["rows"], result["headline"] = rows, headline(rows)
-    return finish(result, args.out, markdown, {"pareto": lambda path: pareto_plot(rows, path)}, log)
+        # written after every R, so an interrupted sweep keeps what it measured
+        result["rows"], result["headline"] = rows, headline(rows)
+        result["complete"] = R == levels[-1]
+        code = finish(result, args.out, markdown, {"pareto": lambda path: pareto_plot(rows, path)}, log)
+    return code
 
 
 if __name__ == "__main__":
