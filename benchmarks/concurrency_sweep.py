@@ -147,7 +147,7 @@ def markdown(result: dict) -> str:
     return "\n".join([result_preamble(result), *partial, table, "\n## Headline\n",
                       markdown_table([{"figure": k, "value": v} for k, v in head.items()], ["figure", "value"]),
                       f"\nbest fixed γ by concurrency: {result['headline'].get('best_fixed_by_concurrency')}",
-                      "\n![Pareto frontier](concurrency_sweep_pareto.png)"])
+                      f"\n![Pareto frontier]({result.get('pareto_png', 'concurrency_sweep_pareto.png')})"])
 
 
 def main(argv=None) -> int:
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     prompts = [base.chat_prompt(t["text"]) for t in texts]
     result = result_header("concurrency_sweep", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "temperature", "dtype", "threshold", "drafter")}
+    result["pareto_png"] = f"{Path(args.out).name}_pareto.png"
     result["cost_table"] = {"verify_sizes": cost.verify_sizes, "verify_seconds": cost.verify_seconds,
                             "draft_sizes": cost.draft_sizes, "draft_seconds": cost.draft_seconds,
                             "staircase": cost.staircase(), "meta": cost.meta}

@@ -191,8 +191,7 @@ def main(argv=None) -> int:
     lost = [a for a in complete if a.get("exception") or a.get("status") != 200 or a.get("error")
             or (a["mode"] == "stream" and not a.get("done")) or a.get("finish") is None]
     equal = [a for a in complete if a.get("text") == offline[a["index"]].text]
-    server_tokens = sum(len(offline[a["index"]].token_ids) for a in complete)
-    offline_tokens = sum(len(o.token_ids) for o in offline.values())
+    tokens = sum(len(o.token_ids) for o in offline.values())  # the same completed answers in both passes
     latencies = sorted(a["latency"] for a in complete if "latency" in a)
     firsts = sorted(a["first_token"] for a in complete if "first_token" in a)
 
@@ -200,10 +199,9 @@ def main(argv=None) -> int:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
     aborted = after.get('dspark_requests_total{finish_reason="abort"}', 0.0)
-    server_rate = server_tokens / server_seconds
-    offline_rate = offline_tokens / offline_seconds
+    server_rate, offline_rate = tokens / server_seconds, tokens / offline_seconds
     result = result_header("serve_load", __file__, argv)
-    result["settings"] = {k: getattr(args, k) for k in (*FULL, "drafter", "dtype")}
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "drafter", "scheduler", "dtype")}
     row = {"requests": len(jobs), "completed": len(complete), "disconnects": len(jobs) - len(complete),
            "lost_or_corrupted": len(lost), "greedy_equal_offline": len(equal) / max(len(complete), 1),
            "engine_idle_after": idle, "kv_slots_after": after.get("dspark_kv_cache_slots_used"),
