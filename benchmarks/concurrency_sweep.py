@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
                                result_header, result_preamble)
+from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.schedule import CostTable  # noqa: E402
 from dspark.schedule.profile import profile_engine  # noqa: E402
@@ -42,7 +43,7 @@ def parse_args(argv):
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter folder [the bundled default drafter]")
     p.add_argument("--threshold", type=float, default=0.5, help="prefix survival of the threshold baseline [%(default)s]")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cost-table", default=None, help="a table from `dspark profile` (default: profile now)")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the `benchmarks` package 
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, markdown_table, result_header,  # noqa: E402
                                result_preamble, run_interleaved)
 from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
+from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
@@ -41,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--drafters", required=True, help="comma-separated name=folder pairs (names as in the table: "
                    "dspark, dflash, eagle3, mtp)")
     add_presets(p, FULL, QUICK)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")

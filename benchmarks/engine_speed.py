@@ -30,6 +30,7 @@ from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_
                               load_transformers)
 from benchmarks.step_time import step_time_curve  # noqa: E402
 from dspark import LLM  # noqa: E402
+from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark.draft import PromptLookupDrafter  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
@@ -50,7 +51,7 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test (defaults below in [])")
-    p.add_argument("--dtype", help=f"comma-separated: bf16, fp32 [{FULL['dtype']}; quick {QUICK['dtype']}]")
+    p.add_argument("--dtype", help=f"comma-separated: bf16, fp32, q4_1 (transformers runs bf16 there) [{FULL['dtype']}; quick {QUICK['dtype']}]")
     p.add_argument("--prompts", type=int, help=f"chat prompts, round-robin over the eval sets [{FULL['prompts']}]")
     p.add_argument("--prompt-sets", default="gsm8k,humaneval,mt-bench", help="eval sets the prompts come from "
                    "(first user turn of eval_NAME.jsonl) [%(default)s]")
@@ -78,8 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.concurrency = int_list(args.concurrency)
     args.verify_tokens, args.verify_requests = int_list(args.verify_tokens), int_list(args.verify_requests)
     args.prompt_sets = tuple(s.strip() for s in args.prompt_sets.split(",") if s.strip())
-    if not args.dtype or any(d not in ("bf16", "fp32") for d in args.dtype):
-        p.error(f"--dtype takes bf16 and/or fp32, got {args.dtype}")
+    if not args.dtype or any(d not in DTYPE_CHOICES for d in args.dtype):
+        p.error(f"--dtype takes {', '.join(DTYPE_CHOICES)}, got {args.dtype}")
     if 1 not in args.concurrency:
         p.error("--concurrency must include 1 (prompt lookup and llama.cpp are measured at batch 1)")
     if min(args.repeats, args.prompts, args.max_new_tokens, args.verify_timings, *args.concurrency) < 1:

@@ -30,6 +30,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
                                result_header, result_preamble, write_result)
+from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 
 FULL = {"clients": 32, "requests": 320, "max_tokens": 48, "stream_fraction": 0.5, "disconnect_fraction": 0.1}
@@ -42,7 +43,7 @@ def parse_args(argv):
     add_presets(p, FULL, QUICK)
     p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s, as `dspark serve`]")
     p.add_argument("--scheduler", default="fixed", help="[%(default)s, as `dspark serve`]")
-    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_CHOICES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=str(RESULTS_DIR / "serve_load"))

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from .config import DTYPE_CHOICES, DTYPE_HELP
 from .schedule import SCHEDULERS
 
 
@@ -12,7 +13,7 @@ def add_target_args(g):
     g.add_argument("--target", default=None,
                    help="target model: a Hugging Face folder, a .gguf file, or a hub id already in the local "
                         "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
+    g.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

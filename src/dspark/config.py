@@ -5,7 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "q4_1": torch.bfloat16}  # q4_1: 4-bit layer weights (target/q4_1.py), bf16 activations
+DTYPE_CHOICES = ["bf16", "fp32", "q4_1"]
+DTYPE_HELP = ("weights: bf16, fp32, or q4_1 (the layers' weights in 4 bits, groups of 32, bf16 activations: exactly "
+              "the bundled GGUF's own Q4_1 weights, a 4-bit quantization of any other target) (default: %(default)s)")
 
 
 @dataclass
@@ -25,3 +29,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def q4_1(self) -> bool:
+        return self.dtype == "q4_1"

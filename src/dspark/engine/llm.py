@@ -34,7 +34,7 @@ class LLM:
                                    max_model_len=max_model_len, threads=threads)
         if threads:
             torch.set_num_threads(threads)
-        model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype)
+        model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype, self.config.q4_1)
         self._build_engine(model, drafter, scheduler, gamma, cost_table, threshold)
 
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):

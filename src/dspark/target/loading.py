@@ -105,8 +105,8 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16):
-    """Returns (TargetModel, tokenizer, folder)."""
+def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, q4_1: bool = False):
+    """Returns (TargetModel, tokenizer, folder); q4_1 holds the layers' weights in 4 bits (see q4_1.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .model import TargetModel, fuse_projections
@@ -122,4 +122,8 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16):
     model.load_state_dict({k: v.to(dtype, copy=True) for k, v in state.items()}, strict=True, assign=True)  # aligned copies
     model.rotary = type(model.rotary)(config)  # buffers are not in the checkpoint
     model.eval().requires_grad_(False)
+    if q4_1:
+        from .q4_1 import quantize_layers
+
+        quantize_layers(model)
     return model, tokenizer, folder
