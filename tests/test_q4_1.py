@@ -54,7 +54,7 @@ def test_q4_1_target_replaces_every_layer_projection(tiny_target_dir):  # noqa: 
     model = load_target(str(tiny_target_dir), torch.bfloat16, q4_1=True)[0]
     kinds = {type(m).__name__ for layer in model.layers for m in layer.modules() if hasattr(m, "in_features")}
     assert kinds == {"Q4Linear"}
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype == torch.bfloat16
 
 
 def test_q4_1_smollm_keeps_the_gguf_weights(smollm_fp32, chat_ids):

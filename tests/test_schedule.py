@@ -254,6 +254,9 @@ def test_engine_is_lossless_under_greedy_with_every_scheduler(tiny_target, tiny_
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     stats = list(llm.engine.stats)
     drafting = [s for s in stats if sum(s.drafted)]  # steps where some request could still verify a draft
+    if name == "plain":  # nothing is drafted that could not be verified
+        assert not drafting
+        return
     assert drafting and all(s.expected_tau is not None and s.expected_tau >= s.num_requests for s in drafting)
 
 

@@ -178,7 +178,7 @@ class DSparkModel(FeatureDrafterModel):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """U [.., V] in float32 (the frozen, shared LM head)."""
-        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(h.to(self.embed_tokens.weight.dtype)).float()
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):
         """One sequential step: (Markov bias [N, V] or None, confidence logit [N] or None, next state)."""

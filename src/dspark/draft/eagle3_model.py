@@ -68,7 +68,7 @@ class Eagle3Model(FeatureDrafterModel):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] in float32 of the token after the one stepped."""
-        return self.lm_head(self.norm(h).to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(self.norm(h).to(self.embed_tokens.weight.dtype)).float()
 
 
 def eagle3_config(target_config: dict, *, block_size: int = 7, num_features: int = 3, mtp: bool = False,

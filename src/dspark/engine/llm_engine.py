@@ -112,7 +112,10 @@ class LLMEngine:
     def _decode(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
         t = time.perf_counter()
         room = self._room(reqs)
-        proposal = self.drafter.propose(reqs, int(room.max()))  # 1. draft
+        limit = int(room.max())
+        if self.scheduler.max_drafts is not None:  # a fixed length: drafts past it would never be verified
+            limit = min(limit, self.scheduler.max_drafts)
+        proposal = self.drafter.propose(reqs, limit)  # 1. draft
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
         lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()

@@ -8,6 +8,7 @@ from ..draft.base import Proposal
 
 class Scheduler:
     name = "scheduler"
+    max_drafts: int | None = None  # no request ever verifies more drafts than this, so none are drafted
 
     def plan(self, proposal: Proposal) -> torch.Tensor:
         """ℓ_r per request, 0 <= ℓ_r <= proposal.lengths[r]."""
@@ -25,7 +26,7 @@ class FixedLength(Scheduler):
     def __init__(self, gamma: int | None = None):
         if gamma is not None and gamma < 0:
             raise ValueError(f"fixed length must be >= 0, got {gamma}")
-        self.gamma = gamma
+        self.gamma = self.max_drafts = gamma
 
     def plan(self, proposal: Proposal) -> torch.Tensor:
         return proposal.lengths if self.gamma is None else proposal.lengths.clamp(max=self.gamma)

@@ -110,6 +110,7 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, 
     from transformers import AutoConfig, AutoTokenizer
 
     from .model import TargetModel, fuse_projections
+    from .q4_1 import quantize_layers
 
     folder = resolve_target(target)
     config = AutoConfig.from_pretrained(folder)
@@ -123,7 +124,5 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, 
     model.rotary = type(model.rotary)(config)  # buffers are not in the checkpoint
     model.eval().requires_grad_(False)
     if q4_1:
-        from .q4_1 import quantize_layers
-
         quantize_layers(model)
     return model, tokenizer, folder
