@@ -282,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         result["machine"]["llama_cpp_python"] = llama_cpp.__version__
         notes.append(f"llama.cpp: {gguf.name} via llama-cpp-python {llama_cpp.__version__}, {args.threads} threads, "
                      f"greedy, batch 1, same prompt token ids; interleaved with the {main_dtype} runs.")
+    if "q4_1" in args.dtype:
+        notes.append("q4_1: dspark with 4-bit layer weights (exactly the GGUF's own Q4_1) and bf16 activations; the "
+                     "transformers rows under q4_1 run bf16 (transformers has no CPU Q4_1 path), so q4_1's ratios "
+                     "compare with bf16 transformers.")
     result["settings"] = {
         "target": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
         "prompts": args.prompts, "prompt_sets": list(args.prompt_sets), "concurrency": args.concurrency,
