@@ -45,20 +45,12 @@ def machine_info() -> dict:
     import torch
     import transformers
 
+    from dspark.target.upcast import cpu_bf16_unit
+
     return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "bf16_matrix_unit": cpu_bf16_unit(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
-
-
-def cpu_bf16_unit() -> str:
-    """Which bf16 matrix instructions the CPU has: without them PyTorch's bf16 products cost about one
-    single-row product per row, so verifying several tokens (and every drafter) is far dearer."""
-    import torch
-
-    units = [name for name, has in (("AMX", torch.cpu._is_amx_tile_supported()),
-                                     ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported())) if has]
-    return " + ".join(units) or "none"
 
 
 def command_line(script: str | Path, argv: list[str]) -> str:

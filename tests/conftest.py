@@ -15,7 +15,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", 2)))  # 1 beside another torch job
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("DSPARK_DATA", REPO.parent / "shared" / "data"))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
+from .upcast import UPCAST_HELPS, upcast_linear
 
 
 @dataclass
@@ -29,6 +30,7 @@ class FlatBatch:
     query_lens: list[int]  # [R]
     slot_start: int = 0
     visible: torch.Tensor | None = None  # [T] long
+    prefill: bool = False  # see `prefill_attention` and upcast.py
 
     def __post_init__(self):
         lens = torch.tensor(self.query_lens, dtype=torch.long)
@@ -53,6 +55,13 @@ class FlatBatch:
     def last_index(self) -> torch.Tensor:
         """Flat index of each request's last token."""
         return self.starts + torch.tensor(self.query_lens) - 1
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can take the float32 path of upcast.py for a many-row product of bf16 weights."""
+
+    def forward(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        return upcast_linear(x, self.weight, self.bias) if upcast else super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -113,11 +122,30 @@ def grouped_attention(q, keys, values, mask):
     return (probs @ values).view(R, H, Q, hd)
 
 
+def prefill_attention(q, keys, values, batch: FlatBatch) -> torch.Tensor:
+    """Each request's queries [n, H, hd] over its own keys, one call per request, returned as [T, H * hd].
+
+    The shapes of a call depend on its request alone, so a prompt's prefill does not depend on what else is
+    admitted with it (batch invariance; the padded batched call below rounds differently with the padding).
+    """
+    visible = batch.positions if batch.visible is None else batch.visible
+    outs = []
+    for r, (start, n) in enumerate(zip(batch.starts.tolist(), batch.query_lens)):
+        L = int(visible[start:start + n].max()) + 1
+        out = F.scaled_dot_product_attention(q[None, start:start + n].transpose(1, 2), keys[r:r + 1, :, :L],
+                                             values[r:r + 1, :, :L], attn_mask=batch.attn_mask[r:r + 1, :, :n, :L],
+                                             enable_gqa=True)
+        outs.append(out[0].transpose(0, 1).reshape(n, -1))
+    return torch.cat(outs)
+
+
 def cached_attention(layer: int, q, k, v, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
     """Write the batch's keys/values ([T, KVH, hd]) to the cache, attend with queries [T, H, hd] over each
     request's cached keys under the batch's mask, and return [T, H * hd]."""
     T, H, _ = q.shape
     keys, values = cache.write(layer, batch, k, v)  # [R, KVH, key_len, hd] views
+    if batch.prefill:
+        return prefill_attention(q, keys, values, batch)
     R, Q = batch.num_requests, batch.max_query_len
     qp = (q.view(R, 1, H, -1) if Q == 1 else q[batch.padded_index]).transpose(1, 2)  # [R, H, Q, hd]
     if Q > 16:  # long prefill: the fused kernel wins
@@ -140,23 +168,23 @@ class Attention(nn.Module):
         # Qwen2 always has q/k/v biases; Llama's attention_bias also puts one on o_proj
         bias = getattr(config, "attention_bias", None) or config.model_type == "qwen2"
         d = config.hidden_size
-        self.qkv_proj = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias and config.model_type == "llama")
+        self.qkv_proj = Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, d, bias=bias and config.model_type == "llama")
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: FlatBatch, cache: KVCache, upcast: bool) -> torch.Tensor:
         T, H, KVH = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(T, H + 2 * KVH, self.head_dim)
+        qkv = self.qkv_proj(x, upcast).view(T, H + 2 * KVH, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + KVH])), 1)
         else:
             qk = qkv[:, :H + KVH]
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
-        return self.o_proj(cached_attention(self.layer_idx, q, k, v, batch, cache))
+        return self.o_proj(cached_attention(self.layer_idx, q, k, v, batch, cache), upcast)
 
 
 class MLP(nn.Module):
@@ -164,12 +192,12 @@ class MLP(nn.Module):
         super().__init__()
         d, h = config.hidden_size, config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(d, 2 * h, bias=bias)  # gate, up stacked
-        self.down_proj = nn.Linear(h, d, bias=bias)
+        self.gate_up_proj = Linear(d, 2 * h, bias=bias)  # gate, up stacked
+        self.down_proj = Linear(h, d, bias=bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, upcast: bool = False):
+        gate, up = self.gate_up_proj(x, upcast).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, upcast)
 
 
 class DecoderLayer(nn.Module):
@@ -180,9 +208,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, batch, cache, upcast: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, upcast)
+        return x + self.mlp(self.post_attention_layernorm(x), upcast)
 
 
 @dataclass
@@ -218,7 +246,7 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
         self.capture_layers: tuple[int, ...] = ()
 
@@ -230,9 +258,10 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
+        upcast = batch.prefill and UPCAST_HELPS and x.dtype == torch.bfloat16
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, cache)
+            x = layer(x, cos, sin, batch, cache, upcast)
             if i in self.capture_layers:
                 captured.append(x)
         features = torch.cat(captured, dim=-1) if captured else None

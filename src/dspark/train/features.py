@@ -26,7 +26,7 @@ def target_features(target: TargetModel, sequences: list[list[int]], layer_ids: 
                     capacity=max(lengths))
     cache.num_used = len(sequences)
     batch = FlatBatch(torch.tensor([t for s in sequences for t in s]), torch.cat([torch.arange(n) for n in lengths]),
-                      lengths)
+                      lengths, prefill=True)
     saved, target.capture_layers = target.capture_layers, tuple(layer_ids)
     try:
         out = target(batch, cache)  # inference mode inside; copied below into ordinary tensors
