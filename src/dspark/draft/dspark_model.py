@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..target.model import RMSNorm, Rotary, apply_rotary
+from ..target.upcast import ManyRowsLinear as Linear
 
 # attend(layer, q [T, H, hd], k [T, KVH, hd], v [T, KVH, hd]) -> [T, H * hd]: the block's attention over
 # context and block keys; inference reads the context from a KV cache, training from dense tensors.
@@ -34,10 +35,10 @@ class DraftAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         bias = getattr(c, "attention_bias", False)
         d_in = in_features or c.hidden_size  # Eagle3's layer reads [embedding; hidden], 2d wide
-        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(d_in, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
@@ -55,9 +56,9 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -88,11 +89,11 @@ class MarkovHead(nn.Module):
             raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.kind!r}")
         self.rank = r
         self.markov_w1 = nn.Embedding(c.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.markov_w2 = Linear(r, c.vocab_size, bias=False)
         if self.kind == "gated":
-            self.gate_proj = nn.Linear(d + r, r)
+            self.gate_proj = Linear(d + r, r)
         elif self.kind == "rnn":
-            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+            self.joint_proj = Linear(2 * r + d, 3 * r)
 
     def initial_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
         return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
@@ -116,7 +117,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, c, with_markov: bool):
         super().__init__()
-        self.proj = nn.Linear(c.hidden_size + (c.markov_rank if with_markov else 0), 1)
+        self.proj = Linear(c.hidden_size + (c.markov_rank if with_markov else 0), 1)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
         """Confidence logit [N]."""
@@ -135,8 +136,8 @@ class FeatureDrafterModel(nn.Module):
         self.target_layer_ids = tuple(c.target_layer_ids)
         d = c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, d)
-        self.lm_head = nn.Linear(d, c.vocab_size, bias=False)
-        self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
+        self.lm_head = Linear(d, c.vocab_size, bias=False)
+        self.fc = Linear(len(self.target_layer_ids) * d, d, bias=False)
         self.rotary_config = SimpleNamespace(**{**config, "head_dim": c.head_dim})
         self.rotary = Rotary(self.rotary_config)
         self.embed_tokens.requires_grad_(False)

@@ -10,14 +10,20 @@ converted CHUNK output rows at a time: no float32 copy of the model is kept.
 Batch invariance: a row's result must not depend on which other rows share the product, or a request's
 output would depend on what else was admitted with it. Float32 products of fewer than MIN_ROWS rows take a
 different kernel whose rounding differs, so smaller inputs are padded to MIN_ROWS rows (tested).
+
+Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows): a drafter's q is returned exactly
+as it was sampled from, so losslessness never needs it batch-invariant, and every drafting forward has G rows
+per request.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 CHUNK = 1024
 MIN_ROWS = 4
+FAST_ROWS = 16
 
 
 def cpu_bf16_unit() -> str:
@@ -40,3 +46,12 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+class ManyRowsLinear(nn.Linear):
+    """nn.Linear whose bf16 products of at least FAST_ROWS rows take the float32 path where that is faster."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if UPCAST_HELPS and self.weight.dtype == torch.bfloat16 and x.numel() >= FAST_ROWS * x.shape[-1]:
+            return upcast_linear(x, self.weight, self.bias)
+        return super().forward(x)
