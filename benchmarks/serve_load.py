@@ -12,6 +12,7 @@ throughput.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
@@ -57,7 +57,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_request(url: str, job: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, url: str, job: dict) -> dict:
     """Send one chat request as a client would; returns what came back and how long it took."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": job["text"]}], "temperature": 0,
             "max_tokens": job["max_tokens"], "stream": job["mode"] != "plain"}
@@ -65,16 +65,16 @@ def one_request(url: str, job: dict) -> dict:
     out = {"index": job["index"], "mode": job["mode"]}
     try:
         if job["mode"] == "plain":
-            r = httpx.post(url, json=body, timeout=600)
+            r = await client.post(url, json=body)
             out.update(status=r.status_code, latency=time.perf_counter() - start)
             data = r.json()
             out.update(text=data["choices"][0]["message"]["content"], finish=data["choices"][0]["finish_reason"],
                        tokens=data["usage"]["completion_tokens"])
             return out
-        with httpx.stream("POST", url, json=body, timeout=600) as r:
+        async with client.stream("POST", url, json=body) as r:
             out["status"] = r.status_code
             text, finish, events = "", None, 0
-            for line in r.iter_lines():
+            async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
@@ -90,11 +90,24 @@ def one_request(url: str, job: dict) -> dict:
                 text += chunk["choices"][0]["delta"].get("content") or ""
                 finish = chunk["choices"][0]["finish_reason"] or finish
                 if job["mode"] == "disconnect" and events >= 3:
-                    break  # leave mid-stream: closing the response drops the connection
+                    break  # leave mid-stream: closing the unfinished response drops the connection
             out.update(text=text, finish=finish, latency=time.perf_counter() - start)
     except Exception as exc:  # recorded as a lost response
         out["exception"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+async def run_clients(url: str, jobs: list[dict], clients: int) -> list[dict]:
+    """`clients` concurrent clients working through the jobs in order, each sending its next request when its
+    last one is done. One event loop in one thread: the load generator shares the server's cores, so it
+    should take as little CPU as it can."""
+    slots = asyncio.Semaphore(clients)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+        async def client_turn(job):
+            async with slots:
+                return await one_request(client, url, job)
+
+        return await asyncio.gather(*(client_turn(job) for job in jobs))
 
 
 def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
@@ -165,8 +178,7 @@ def main(argv=None) -> int:
     log(f"`dspark serve` up (pid {proc.pid}); {args.requests} requests from {args.clients} clients")
     try:
         start, clients_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(proc.pid)
-        with ThreadPoolExecutor(args.clients) as pool:
-            answers = list(pool.map(lambda job: one_request(base + "/v1/chat/completions", job), jobs))
+        answers = asyncio.run(run_clients(base + "/v1/chat/completions", jobs, args.clients))
         server_seconds = time.perf_counter() - start
         clients_cpu, server_cpu = time.process_time() - clients_cpu, cpu_seconds(proc.pid) - server_cpu
         after = wait_idle(base)
