@@ -91,9 +91,9 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, seed=body.seed, stop=body.stop or [])
 
-    def submit(prompt_ids: list[int], params: SamplingParams) -> Stream:
+    def submit(prompt_ids: list[int], params: SamplingParams, partial: bool) -> Stream:
         try:
-            return loop_engine.submit(prompt_ids, params)
+            return loop_engine.submit(prompt_ids, params, partial)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -155,7 +155,7 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
             raise BadRequest(f"messages: the chat template rejected them ({exc})", param="messages") from None
         params = sampling(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
-        stream = submit(prompt_ids, params)
+        stream = submit(prompt_ids, params, partial=body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             def chunk(delta, finish, first):
@@ -174,7 +174,7 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         prompt_ids = (list(body.prompt) if isinstance(body.prompt, list) else
                       llm.tokenizer.encode(body.prompt, add_special_tokens=False))
         params = sampling(body, prompt_ids, body.max_tokens)
-        stream = submit(prompt_ids, params)
+        stream = submit(prompt_ids, params, partial=body.stream)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             def chunk(delta, finish, first):

@@ -30,6 +30,7 @@ class Stream:
     prompt_tokens: int
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    partial: bool = True  # every step's output; False: only the finished one (a non-streaming answer)
 
     async def __aiter__(self):
         while True:
@@ -37,6 +38,11 @@ class Stream:
             yield out
             if out.finished:
                 return
+
+
+def put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
 
 
 class AsyncEngine:
@@ -55,12 +61,13 @@ class AsyncEngine:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
-        """Check and queue a request; raises ValueError (bad input) or Overloaded (over the limits)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, partial: bool = True) -> Stream:
+        """Check and queue a request; raises ValueError (bad input) or Overloaded (over the limits).
+        partial=False: the stream gets only the finished output."""
         if self.stopping.is_set():
             raise Overloaded("the server is shutting down")
         req = self.engine.new_request(prompt_ids, params)
-        stream = Stream(req.request_id, len(req.prompt_ids), asyncio.Queue(), asyncio.get_running_loop())
+        stream = Stream(req.request_id, len(req.prompt_ids), asyncio.Queue(), asyncio.get_running_loop(), partial)
         with self.lock:
             if len(self.streams) >= self.max_in_flight:
                 self.metrics.rejected.labels("overloaded").inc()
@@ -123,21 +130,25 @@ class AsyncEngine:
         st = self.engine.stats[-1] if self.engine.stats else None
         self.metrics.observe_step(elapsed, st)
         self._observe_load()
-        for out in outputs:
-            self._deliver(out)
+        self._deliver(outputs)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self.streams.get(out.request_id)
-        if stream is None:
-            return
-        if out.finished:
-            with self.lock:
-                self.streams.pop(out.request_id, None)
-            self.metrics.observe_finished(out)
-        try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
-        except RuntimeError:  # its event loop is gone (server stopped): nobody is waiting
-            pass
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams: one wake-up per event loop, not one per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None or not (out.finished or stream.partial):
+                continue
+            if out.finished:
+                with self.lock:
+                    self.streams.pop(out.request_id, None)
+                self.metrics.observe_finished(out)
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, items)
+            except RuntimeError:  # the event loop is gone (server stopped): nobody is waiting
+                pass
 
     def _abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         stream = self.streams.get(request_id)
@@ -145,7 +156,7 @@ class AsyncEngine:
             return
         self.engine.abort(request_id)
         out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
-        self._deliver(out)
+        self._deliver([out])
         self._observe_load()
 
     def _observe_load(self) -> None:
