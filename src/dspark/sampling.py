@@ -62,6 +62,8 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
     """
     logits = logits.float()
     greedy = temperature == 0
+    if greedy.all():
+        return point_mass(logits)
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     filt = ((top_k > 0) | (top_p < 1)) & ~greedy
     if filt.any():
@@ -70,8 +72,13 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
     probs = scaled.softmax(-1)
     if greedy.any():
         rows = greedy.nonzero().squeeze(1)
-        probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[-1]).float()
+        probs[rows] = point_mass(logits[rows])
     return probs
+
+
+def point_mass(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy: probability 1 on each row's argmax."""
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 def _filter(sub: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, window: int = 256) -> torch.Tensor:
