@@ -29,6 +29,7 @@ from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, fin
 from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.schedule import FixedLength  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
 FULL = {"sets": "gsm8k,math500,humaneval,mbpp,mt-bench", "prompts": 50, "max_new_tokens": 256, "temperatures": "0,1",
@@ -42,7 +43,10 @@ def parse_args(argv):
     p.add_argument("--drafters", required=True, help="comma-separated name=folder pairs (names as in the table: "
                    "dspark, dflash, eagle3, mtp)")
     add_presets(p, FULL, QUICK)
-    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help="target weights for (c) [%(default)s]")
+    p.add_argument("--tau-dtype", choices=DTYPE_CHOICES, help="target weights for (a) and (b) [--dtype]: acceptance "
+                   "depends on the dtype only through rounding, and on a CPU without a bf16 matrix unit the batched "
+                   "verification of (a) runs several times faster in fp32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")
@@ -222,19 +226,26 @@ def markdown(result: dict) -> str:
     ])
 
 
+def drafter_llms(plain: LLM, folders: dict[str, str]) -> dict[str, LLM]:
+    """One engine per drafter on plain's target weights, verifying every draft (fixed γ = the drafter's own)."""
+    llms = {name: plain.sibling(folder, gamma=7) for name, folder in folders.items()}
+    for llm in llms.values():
+        llm.engine.scheduler = FixedLength(llm.engine.drafter.gamma)
+    return llms
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     log = Log()
     plain = LLM(drafter="none", dtype=args.dtype, max_num_seqs=args.batch)
-    llms = {name: plain.sibling(folder, gamma=7) for name, folder in args.drafter_dirs.items()}
-    for llm in llms.values():  # every draft verified, whatever γ the drafter was trained with
-        llm.engine.scheduler.gamma = llm.engine.drafter.gamma
+    tau_plain = plain if args.tau_dtype in (None, args.dtype) else LLM(drafter="none", dtype=args.tau_dtype,
+                                                                        max_num_seqs=args.batch)
     result = result_header("drafters", __file__, argv)
-    result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype")} | {"drafters": args.drafter_dirs}
-    rows = acceptance_rows(llms, args, log)
-    rows += speed_rows(llms, plain, args, log)
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype", "tau_dtype")} | {"drafters": args.drafter_dirs}
+    rows = acceptance_rows(drafter_llms(tau_plain, args.drafter_dirs), args, log)
+    rows += speed_rows(drafter_llms(plain, args.drafter_dirs), plain, args, log)
     result["rows"], result["headline"] = rows, headline(rows)
     return finish(result, args.out, markdown, {"positions": lambda path: plot_positions(rows, path)}, log)
 

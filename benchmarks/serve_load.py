@@ -196,9 +196,10 @@ def main(argv=None) -> int:
     llm = LLM(drafter=args.drafter, scheduler=args.scheduler, dtype=args.dtype, max_num_seqs=args.clients)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompts = [llm.chat_prompt(jobs[a["index"]]["text"]) for a in complete]
-    start = time.perf_counter()
+    start, offline_cpu = time.perf_counter(), time.process_time()
     offline = dict(zip((a["index"] for a in complete), llm.generate(prompts, greedy)))
-    offline_seconds = time.perf_counter() - start
+    offline_seconds, offline_cpu = time.perf_counter() - start, time.process_time() - offline_cpu
+    offline_steps = list(llm.engine.stats)
     log(f"offline pass: {offline_seconds:.1f} s")
 
     lost = [a for a in complete if a.get("exception") or a.get("status") != 200 or a.get("error")
@@ -224,7 +225,12 @@ def main(argv=None) -> int:
            "server_tokens_per_s": server_rate, "offline_tokens_per_s": offline_rate,
            "server_seconds": server_seconds, "offline_seconds": offline_seconds,
            # the load generator shares this machine's cores with the server: how much CPU each used in that pass
-           "server_pass_server_cpu_s": server_cpu, "server_pass_clients_cpu_s": clients_cpu}
+           "server_pass_server_cpu_s": server_cpu, "server_pass_clients_cpu_s": clients_cpu, "offline_cpu_s": offline_cpu,
+           # where a gap comes from: more steps (fuller or emptier batches) or dearer steps
+           "server_steps": after.get("dspark_step_seconds_count"), "server_step_seconds": after.get("dspark_step_seconds_sum"),
+           "server_mean_B": after.get("dspark_verify_batch_tokens_sum", 0) / max(after.get("dspark_verify_batch_tokens_count", 0), 1),
+           "offline_steps": len(offline_steps), "offline_step_seconds": sum(st.t_total for st in offline_steps),
+           "offline_mean_B": sum(st.verify_tokens for st in offline_steps) / max(len(offline_steps), 1)}
     result["rows"] = [row]
     result["headline"] = {"server_over_offline_throughput": server_rate / offline_rate, "server_lost_responses": len(lost),
                           "server_greedy_equal_offline": row["greedy_equal_offline"]}

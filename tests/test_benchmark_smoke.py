@@ -87,7 +87,7 @@ def run_script(name: str, argv: list[str]) -> int:
 @pytest.mark.slow
 def test_drafters_quick_writes_result(tmp_path, random_drafters):
     out = tmp_path / "drafters"
-    argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6",
+    argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6", "--tau-dtype", "fp32",
             "--drafters", f"dspark={random_drafters / 'dspark'},eagle3={random_drafters / 'eagle3'}", "--out", str(out)]
     assert run_script("drafters.py", argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
@@ -95,6 +95,7 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
     assert {(r["drafter"], r["temperature"], r["set"]) for r in acc} == {
         (d, t, s) for d in ("dspark", "eagle3") for t in (0.0, 1.0) for s in ("gsm8k", "mt-bench")}
     assert all(r["tau"] >= 1.0 and len(r["position_accept"]) == 7 for r in acc)
+    assert result["settings"]["dtype"] == "bf16" and result["settings"]["tau_dtype"] == "fp32"
     assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3"]
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
