@@ -8,7 +8,6 @@ its request aborted at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import threading
@@ -36,7 +35,10 @@ class BadRequest(Exception):
         self.param, self.status, self.code = param, status, code
 
 
-def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, default_max_tokens: int = 256) -> FastAPI:
+def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, default_max_tokens: int = 256,
+              engine_thread: bool = True) -> FastAPI:
+    """engine_thread: start the engine loop on a thread of its own; False: the caller runs
+    `app.state.engine.run()` (on the thread that loaded the model: see async_engine.py)."""
     engine = llm.engine
     metrics = Metrics()
     loop_engine = AsyncEngine(engine, max_waiting, metrics)
@@ -44,7 +46,8 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 
     @asynccontextmanager
     async def lifespan(app):
-        loop_engine.start()
+        if engine_thread:
+            loop_engine.start()
         yield
         await asyncio.to_thread(loop_engine.shutdown)
 
@@ -193,7 +196,7 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 
     @app.get("/health")
     async def health():
-        if loop_engine.error is not None or not loop_engine.thread.is_alive():
+        if not loop_engine.alive():
             return JSONResponse({"status": "error", "detail": "the engine loop has stopped"}, 503)
         return {"status": "ok", "in_flight": loop_engine.in_flight()}
 
@@ -209,24 +212,15 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dspark", max_waiting: int = 256,
           default_max_tokens: int = 256, graceful_seconds: float = 30.0) -> int:
     """Run until SIGINT/SIGTERM: stop accepting, let running requests finish for up to graceful_seconds,
-    cancel the rest, exit 0."""
-    app = build_app(llm, model_name, max_waiting, default_max_tokens)
+    cancel the rest, exit 0 (1 if the HTTP server could not start). The engine loop runs on this thread, the
+    one that loaded the model, and the HTTP server on another (see async_engine.py)."""
+    app = build_app(llm, model_name, max_waiting, default_max_tokens, engine_thread=False)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=graceful_seconds)
-    GracefulServer(config).run()
-    return 0
-
-
-class GracefulServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """SIGINT/SIGTERM start uvicorn's graceful shutdown; unlike uvicorn's own handler, the signal is not
-        raised again afterwards, so a clean shutdown exits 0."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
+    server = uvicorn.Server(config)  # on a thread other than the main one it leaves signals alone
+    http = threading.Thread(target=server.run, name="dspark-http")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http.start()
+    app.state.engine.run(serving=http.is_alive)
+    http.join()
+    return 0 if server.started else 1
