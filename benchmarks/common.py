@@ -20,12 +20,14 @@ DEFAULT_PROMPT_SETS = ("gsm8k", "humaneval", "mt-bench")
 
 
 def git_commit() -> tuple[str, bool]:
-    """(short HEAD, whether the work tree has uncommitted changes); ("unknown", False) outside git."""
+    """(short HEAD, whether the work tree has uncommitted changes outside benchmarks/results, which runs write);
+    ("unknown", False) outside git."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "--short", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                                                             ".", ":(exclude)benchmarks/results"))
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
 
