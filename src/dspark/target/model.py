@@ -258,7 +258,7 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        upcast = batch.prefill and UPCAST_HELPS and x.dtype == torch.bfloat16
+        upcast = batch.prefill and UPCAST_HELPS and x.dtype == torch.bfloat16 and x.is_cpu
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, upcast)

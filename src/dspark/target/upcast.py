@@ -52,6 +52,6 @@ class ManyRowsLinear(nn.Linear):
     """nn.Linear whose bf16 products of at least FAST_ROWS rows take the float32 path where that is faster."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if UPCAST_HELPS and self.weight.dtype == torch.bfloat16 and x.numel() >= FAST_ROWS * x.shape[-1]:
+        if UPCAST_HELPS and self.weight.dtype == torch.bfloat16 and x.is_cpu and x.numel() >= FAST_ROWS * x.shape[-1]:
             return upcast_linear(x, self.weight, self.bias)
         return super().forward(x)
