@@ -51,6 +51,8 @@ def parse_args(argv):
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")
     p.add_argument("--out", default=str(RESULTS_DIR / "drafters"))
+    p.add_argument("--resume", action="store_true", help="reuse the rows of an interrupted run with the same "
+                   "settings (kept in OUT.partial.json after each eval set)")
     args = apply_presets(p.parse_args(argv), FULL, QUICK)
     args.drafter_dirs = dict(pair.split("=", 1) for pair in args.drafters.split(","))
     return args
@@ -96,12 +98,16 @@ def run_set(llm: LLM, rows: list[list[str]], temperature: float, n: int, batch: 
     return outputs, list(engine.stats)
 
 
-def acceptance_rows(llms: dict[str, LLM], args, log) -> list[dict]:
+def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[dict]:
     rows = []
     for name, llm in llms.items():
         gamma = llm.engine.drafter.gamma
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             for set_name in args.sets.split(","):
+                if done := partial.find(section="acceptance", drafter=name, temperature=temperature, set=set_name):
+                    rows.append(done)
+                    log(f"{name} T={temperature} {set_name}: τ {done['tau']:.2f} (from {partial.path.name})")
+                    continue
                 outs, stats = run_set(llm, eval_rows(args.data_dir, set_name, args.prompts), temperature,
                                       args.max_new_tokens, args.batch)
                 errors = [o.error for o in outs if o.finish_reason == "error"]
@@ -113,12 +119,16 @@ def acceptance_rows(llms: dict[str, LLM], args, log) -> list[dict]:
                 rows.append({"section": "acceptance", "drafter": name, "temperature": temperature, "set": set_name,
                              "requests": len(outs), "cycles": cycles, "tau": tokens / max(cycles, 1),
                              "position_accept": pos, "gamma": gamma})
+                partial.add(rows[-1])
                 log(f"{name} T={temperature} {set_name}: τ {rows[-1]['tau']:.2f} positions "
                     f"{[round(x, 2) if x is not None else None for x in pos]}")
     return rows
 
 
-def speed_rows(llms: dict[str, LLM], plain: LLM, args, log) -> list[dict]:
+def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
+    if done := [r for r in partial.rows if r["section"] == "speed"]:
+        log(f"speed: {len(done)} systems from {partial.path.name}")
+        return done
     texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
     prompts = [plain.chat_prompt(t) for t in texts]
     peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]
@@ -144,6 +154,7 @@ def speed_rows(llms: dict[str, LLM], plain: LLM, args, log) -> list[dict]:
     plain_rate = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_plain"] = row["tokens_per_s"] / plain_rate
+        partial.add(row)
     return rows
 
 
@@ -226,6 +237,35 @@ def markdown(result: dict) -> str:
     ])
 
 
+class Partial:
+    """The rows finished so far, kept in out.partial.json after each one, so a killed run resumes where it stopped
+    (--resume): rows are reused only when the settings are the same; the result lists the commits they came from."""
+
+    def __init__(self, out: str | Path, settings: dict, commit: str, resume: bool):
+        self.path = Path(out).with_name(Path(out).name + ".partial.json")
+        self.settings, self.commit, self.rows = settings, commit, []
+        if resume and self.path.is_file():
+            saved = json.loads(self.path.read_text())
+            if saved["settings"] != settings:
+                raise SystemExit(f"{self.path} was written with other settings; remove it or run without --resume")
+            self.rows = saved["rows"]
+        self.commits = sorted({r["commit"] for r in self.rows})
+
+    def find(self, **key) -> dict | None:
+        return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
+
+    def add(self, row: dict):
+        row["commit"] = self.commit
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"settings": self.settings, "rows": self.rows}, indent=1))
+        tmp.replace(self.path)
+
+    def close(self):
+        self.path.unlink(missing_ok=True)
+
+
 def drafter_llms(plain: LLM, folders: dict[str, str]) -> dict[str, LLM]:
     """One engine per drafter on plain's target weights, verifying every draft (fixed γ = the drafter's own)."""
     llms = {name: plain.sibling(folder, gamma=7) for name, folder in folders.items()}
@@ -244,10 +284,15 @@ def main(argv=None) -> int:
                                                                         max_num_seqs=args.batch)
     result = result_header("drafters", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype", "tau_dtype")} | {"drafters": args.drafter_dirs}
-    rows = acceptance_rows(drafter_llms(tau_plain, args.drafter_dirs), args, log)
-    rows += speed_rows(drafter_llms(plain, args.drafter_dirs), plain, args, log)
+    partial = Partial(args.out, result["settings"], result["commit"], args.resume)
+    if partial.commits:
+        result["resumed_rows_from_commits"] = partial.commits
+    rows = acceptance_rows(drafter_llms(tau_plain, args.drafter_dirs), args, log, partial)
+    rows += speed_rows(drafter_llms(plain, args.drafter_dirs), plain, args, log, partial)
     result["rows"], result["headline"] = rows, headline(rows)
-    return finish(result, args.out, markdown, {"positions": lambda path: plot_positions(rows, path)}, log)
+    code = finish(result, args.out, markdown, {"positions": lambda path: plot_positions(rows, path)}, log)
+    partial.close()
+    return code
 
 
 if __name__ == "__main__":

@@ -100,6 +100,18 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
 
+    partial = tmp_path / "drafters.partial.json"
+    assert not partial.exists()  # removed once the result is written
+    rows = result["rows"]  # an interrupted run's rows (one marked) are reused by --resume, not recomputed
+    rows[0]["tau"] = 99.0
+    partial.write_text(json.dumps({"settings": result["settings"], "rows": rows}))
+    assert run_script("drafters.py", argv + ["--resume"]) == 0
+    resumed = json.loads(out.with_suffix(".json").read_text())
+    assert resumed["rows"] == rows and resumed["resumed_rows_from_commits"] == [result["commit"]]
+    partial.write_text(json.dumps({"settings": result["settings"] | {"prompts": 3}, "rows": rows}))
+    with pytest.raises(SystemExit, match="other settings"):
+        run_script("drafters.py", argv + ["--resume"])
+
 
 @pytest.mark.slow
 def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):

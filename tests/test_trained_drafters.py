@@ -22,9 +22,9 @@ from dspark.schedule import CostTable, make_scheduler
 from test_lossless_distribution import ALPHA, REAL_PROMPT
 
 REPO_DRAFTERS = DEFAULT_DRAFTER_DIR.parents[3] / "drafters"
-# the committed drafters (the Eagle3-style baseline joins when its training is done)
+# the committed drafters
 DRAFTERS = {"dspark": DEFAULT_DRAFTER_DIR, "dflash": REPO_DRAFTERS / "smollm2-135m-dflash",
-            "mtp": REPO_DRAFTERS / "smollm2-135m-mtp1"}
+            "eagle3": REPO_DRAFTERS / "smollm2-135m-eagle3", "mtp": REPO_DRAFTERS / "smollm2-135m-mtp1"}
 # a cost table of this machine's shape (verify time flat to B = 8, then growing), so the schedulers trim
 COST = CostTable(list(range(1, 513)), [0.04 + 0.0015 * max(0, b - 8) for b in range(1, 513)], [1, 512], [0.005, 0.5])
 SAMPLES = 20_000
