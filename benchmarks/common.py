@@ -189,3 +189,33 @@ def finish(result: dict, out: str | Path, markdown_fn, plots: dict, log) -> int:
     json_path, md_path = write_result(out, result, markdown_fn(result))
     log(f"wrote {json_path} and {md_path}; headline {result.get('headline')}")
     return 0
+
+
+class Partial:
+    """The rows finished so far, kept in OUT.partial.json after each one, so a killed run resumes where it stopped
+    (--resume): rows are reused only when the settings are the same; each row records the commit that measured it.
+    `close` removes the file once the whole result is written."""
+
+    def __init__(self, out: str | Path, settings: dict, commit: str, resume: bool):
+        self.path = Path(out).with_name(Path(out).name + ".partial.json")
+        self.settings, self.commit, self.rows = settings, commit, []
+        if resume and self.path.is_file():
+            saved = json.loads(self.path.read_text())
+            if saved["settings"] != settings:
+                raise SystemExit(f"{self.path} was written with other settings; remove it or run without --resume")
+            self.rows = saved["rows"]
+        self.commits = sorted({r["commit"] for r in self.rows})
+
+    def find(self, **key) -> dict | None:
+        return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
+
+    def add(self, row: dict):
+        row["commit"] = self.commit
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"settings": self.settings, "rows": self.rows}, indent=1))
+        tmp.replace(self.path)
+
+    def close(self):
+        self.path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, load_prompts, markdown_table,  # noqa: E402
-                               result_header, result_preamble)
+                               Partial, result_header, result_preamble)
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.schedule import CostTable  # noqa: E402
@@ -48,7 +48,12 @@ def parse_args(argv):
     p.add_argument("--cost-table", default=None, help="a table from `dspark profile` (default: profile now)")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=str(RESULTS_DIR / "concurrency_sweep"))
+    p.add_argument("--resume", action="store_true", help="reuse the concurrency levels an interrupted run with the "
+                   "same settings finished (kept in OUT.partial.json); needs --cost-table, so that both runs schedule "
+                   "with the same table")
     args = apply_presets(p.parse_args(argv), FULL, QUICK)
+    if args.resume and not args.cost_table:
+        p.error("--resume needs --cost-table (profile once with `dspark profile --out FILE`)")
     return args
 
 
@@ -151,6 +156,30 @@ def markdown(result: dict) -> str:
                       f"\n![Pareto frontier]({result.get('pareto_png', 'concurrency_sweep_pareto.png')})"])
 
 
+def measure_level(llms: dict[str, LLM], prompts: list[list[int]], R: int, args, log, partial: Partial) -> list[dict]:
+    """Every configuration at R concurrent requests, --repeats times interleaved; one row each (medians)."""
+    configs = list(llms)
+    n = max(2 * R, args.min_requests)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=i, ignore_eos=True)
+              for i in range(n)]
+    runs = {c: [] for c in configs}
+    for rep in range(args.repeats):
+        for config in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+            runs[config].append(run(llms[config], prompts[:n], R, params))
+    rows = []
+    for config in configs:
+        m = runs[config]
+        row = {"concurrency": R, "config": config, "requests": n,
+               **{k: statistics.median(x[k] for x in m) for k in m[0] if m[0][k] is not None},
+               "total_min": min(x["total_tokens_per_s"] for x in m),
+               "total_max": max(x["total_tokens_per_s"] for x in m)}
+        rows.append(row)
+        partial.add(row)
+        log(f"R={R} {config}: {row['total_tokens_per_s']:.1f} tok/s total, "
+            f"{row['per_request_tokens_per_s']:.1f} per request, ℓ {row['mean_verified']:.2f}, τ {row['tau']:.2f}")
+    return rows
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -176,34 +205,28 @@ def main(argv=None) -> int:
     texts = load_prompts(args.data_dir, max(max(levels) * 2, args.min_requests))
     prompts = [base.chat_prompt(t["text"]) for t in texts]
     result = result_header("concurrency_sweep", __file__, argv)
-    result["settings"] = {k: getattr(args, k) for k in (*FULL, "temperature", "dtype", "threshold", "drafter")}
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "temperature", "dtype", "threshold", "drafter",
+                                                         "cost_table")}
     result["pareto_png"] = f"{Path(args.out).name}_pareto.png"
     result["cost_table"] = {"verify_sizes": cost.verify_sizes, "verify_seconds": cost.verify_seconds,
                             "draft_sizes": cost.draft_sizes, "draft_seconds": cost.draft_seconds,
                             "staircase": cost.staircase(), "meta": cost.meta}
+    partial = Partial(args.out, result["settings"], result["commit"], args.resume)
+    if partial.commits:
+        result["resumed_rows_from_commits"] = partial.commits
     rows = []
     for R in levels:
-        n = max(2 * R, args.min_requests)
-        params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=i,
-                                 ignore_eos=True) for i in range(n)]
-        runs = {c: [] for c in configs}
-        for rep in range(args.repeats):
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-            for config in order:
-                runs[config].append(run(llms[config], prompts[:n], R, params))
-        for config in configs:
-            m = runs[config]
-            row = {"concurrency": R, "config": config, "requests": n,
-                   **{k: statistics.median(x[k] for x in m) for k in m[0] if m[0][k] is not None},
-                   "total_min": min(x["total_tokens_per_s"] for x in m),
-                   "total_max": max(x["total_tokens_per_s"] for x in m)}
-            rows.append(row)
-            log(f"R={R} {config}: {row['total_tokens_per_s']:.1f} tok/s total, "
-                f"{row['per_request_tokens_per_s']:.1f} per request, ℓ {row['mean_verified']:.2f}, τ {row['tau']:.2f}")
+        done = [partial.find(concurrency=R, config=c) for c in configs]
+        if all(done):
+            rows += done
+            log(f"R={R}: {len(done)} configurations from {partial.path.name}")
+        else:
+            rows += measure_level(llms, prompts, R, args, log, partial)
         # written after every R, so an interrupted sweep keeps what it measured
         result["rows"], result["headline"] = rows, headline(rows)
         result["complete"] = R == levels[-1]
         code = finish(result, args.out, markdown, {"pareto": lambda path: pareto_plot(rows, path)}, log)
+    partial.close()
     return code
 
 

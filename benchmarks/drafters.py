@@ -24,8 +24,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, markdown_table, result_header,  # noqa: E402
-                               result_preamble, run_interleaved)
+from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, markdown_table, Partial,  # noqa: E402
+                               result_header, result_preamble, run_interleaved)
 from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
@@ -235,35 +235,6 @@ def markdown(result: dict) -> str:
         markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()], ["figure", "value"]),
         "\n![position-wise acceptance](drafters_positions.png)",
     ])
-
-
-class Partial:
-    """The rows finished so far, kept in out.partial.json after each one, so a killed run resumes where it stopped
-    (--resume): rows are reused only when the settings are the same; the result lists the commits they came from."""
-
-    def __init__(self, out: str | Path, settings: dict, commit: str, resume: bool):
-        self.path = Path(out).with_name(Path(out).name + ".partial.json")
-        self.settings, self.commit, self.rows = settings, commit, []
-        if resume and self.path.is_file():
-            saved = json.loads(self.path.read_text())
-            if saved["settings"] != settings:
-                raise SystemExit(f"{self.path} was written with other settings; remove it or run without --resume")
-            self.rows = saved["rows"]
-        self.commits = sorted({r["commit"] for r in self.rows})
-
-    def find(self, **key) -> dict | None:
-        return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
-
-    def add(self, row: dict):
-        row["commit"] = self.commit
-        self.rows.append(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"settings": self.settings, "rows": self.rows}, indent=1))
-        tmp.replace(self.path)
-
-    def close(self):
-        self.path.unlink(missing_ok=True)
 
 
 def drafter_llms(plain: LLM, folders: dict[str, str]) -> dict[str, LLM]:

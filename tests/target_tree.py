@@ -1,9 +1,10 @@
 """The target's exact distribution over the first few tokens after a prompt, as a tree of next-token
 distributions, and a drafter that samples from a different distribution built from the same tree.
 
-`TargetTree` runs the target once per likely prefix (prompt + up to depth - 1 tokens) and keeps, per
-prefix, its TOP tokens of largest logit with their probabilities under the request's sampling settings
-(warp, exactly what plain decoding samples from). Its cells partition all token sequences of length depth:
+`TargetTree` runs the target once per likely prefix (prompt + up to depth - 1 tokens; the prompt prefilled as
+the engine admits it, the prefix run on its cache as the engine verifies) and keeps, per prefix, its TOP tokens
+of largest logit with their probabilities under the request's sampling settings (warp, exactly what plain
+decoding samples from). Its cells partition all token sequences of length depth:
 a sequence falls into the leaf of its longest expanded prefix, or into that prefix's "rest" cell.
 """
 from __future__ import annotations
@@ -37,20 +38,36 @@ class Node:
         return max(0.0, 1.0 - float(self.probs.sum()))
 
 
-def next_token_logits(model, sequences: list[list[int]]) -> torch.Tensor:
-    """Logits [n, V] after each sequence, each run from scratch in its own cache slot."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    out = []
-    for i in range(0, len(sequences), CHUNK):
-        chunk = sequences[i:i + CHUNK]
-        lens = [len(s) for s in chunk]
-        cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, max(lens))
-        for _ in chunk:
-            cache.allocate()
-        batch = FlatBatch(torch.tensor([t for s in chunk for t in s]), torch.cat([torch.arange(n) for n in lens]), lens)
-        out.append(model.logits(model(batch, cache).hidden[batch.last_index]))
-    return torch.cat(out)
+class PrefixLogits:
+    """Logits after the prompt followed by each of many prefixes, computed as the engine computes them: the
+    prompt prefilled once (`FlatBatch(prefill=True)`, the engine's admission), its cache copied into every slot
+    (a prefill is batch-invariant, tested in test_upcast), then the prefixes' tokens in one plain forward per
+    CHUNK prefixes, reading the prompt's cached keys (the engine's verify forwards)."""
+
+    def __init__(self, model, prompt_ids: list[int], depth: int):
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.model, self.P = model, len(prompt_ids)
+        n = self.P + depth
+        self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, head_dim, model.dtype, n, CHUNK, n)
+        self.cache.allocate()
+        batch = FlatBatch(torch.tensor(prompt_ids), torch.arange(self.P), [self.P], prefill=True)
+        self.first = model.logits(model(batch, self.cache).hidden[batch.last_index])  # [1, V]
+        for _ in range(1, CHUNK):
+            self.cache.copy_slot(0, self.cache.allocate(), self.P)
+
+    def __call__(self, prefixes: list[tuple[int, ...]]) -> torch.Tensor:
+        """Logits [n, V] after prompt + each prefix (all prefixes of one length)."""
+        if prefixes == [()]:
+            return self.first
+        k = len(prefixes[0])
+        out = []
+        for i in range(0, len(prefixes), CHUNK):
+            chunk = prefixes[i:i + CHUNK]
+            batch = FlatBatch(torch.tensor([t for s in chunk for t in s]),
+                              torch.arange(self.P, self.P + k).repeat(len(chunk)), [k] * len(chunk))
+            out.append(self.model.logits(self.model(batch, self.cache).hidden[batch.last_index]))
+        return torch.cat(out)
 
 
 class TargetTree:
@@ -60,9 +77,10 @@ class TargetTree:
         min_expected."""
         self.params, self.depth = params, depth
         self.nodes: dict[tuple[int, ...], Node] = {}
+        prefix_logits = PrefixLogits(model, prompt_ids, depth)
         level, mass = [()], [1.0]
         while level:
-            logits = next_token_logits(model, [prompt_ids + list(prefix) for prefix in level])
+            logits = prefix_logits(level)
             probs = warp(logits, *param_tensors([params] * len(level)))
             top_logits, top_tokens = logits.topk(TOP, dim=-1)
             next_level, next_mass = [], []

@@ -127,6 +127,20 @@ def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
     assert "sched_over_best_fixed_min" in result["headline"] and result["cost_table"]["verify_sizes"]
     assert (tmp_path / "sweep_pareto.png").stat().st_size > 1000
 
+    # an interrupted sweep's finished levels (one row marked) are reused by --resume with the same cost table
+    from dspark.schedule import CostTable
+    table = CostTable(**{k: result["cost_table"][k] for k in ("verify_sizes", "verify_seconds", "draft_sizes",
+                                                              "draft_seconds", "meta")}).save(tmp_path / "cost.json")
+    rows = result["rows"]
+    rows[0]["tau"] = 99.0
+    settings = result["settings"] | {"cost_table": str(table)}
+    (tmp_path / "sweep.partial.json").write_text(json.dumps({"settings": settings, "rows": rows}))
+    argv = ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"), "--out", str(out),
+            "--cost-table", str(table), "--resume"]
+    assert run_script("concurrency_sweep.py", argv) == 0
+    resumed = json.loads(out.with_suffix(".json").read_text())
+    assert resumed["rows"] == rows and not (tmp_path / "sweep.partial.json").exists()
+
 
 @pytest.mark.slow
 def test_serve_load_quick_loses_nothing(tmp_path):

@@ -42,6 +42,19 @@ def test_pooled_auc_ranks_across_positions():
     assert m["auc_pooled"] == pytest.approx(expected) and m["auc_pooled"] > 0.75
 
 
+def test_mean_auc_leaves_out_positions_with_few_acceptances():
+    """Position 2 has 3 acceptances, ranked worst: its AUC (0) is listed but stays out of the mean."""
+    n = 1000
+    conf = np.tile([0.5, 0.5], (n, 1))
+    conf[: n // 2, 0] = 0.9  # position 1: the confident half survives
+    accepted = np.where(np.arange(n) < n // 2, 1, 0)
+    conf[:3, 1], accepted[:3] = 0.1, 2
+    m = metrics(ConfidenceData(conf, np.full(n, 2), accepted), [1.0, 1.0])
+    assert [r["auc_positives"] for r in m["positions"]] == [n // 2, 3]
+    assert m["positions"][0]["auc"] == pytest.approx(1.0) and m["positions"][1]["auc"] == pytest.approx(0.0)
+    assert m["auc"] == pytest.approx(1.0)
+
+
 def synthetic(n: int, true_temps, seed: int = 0) -> ConfidenceData:
     """Raw confidences whose real conditional survival is σ(logit(c)/T_k): over-confident when T_k > 1."""
     rng = np.random.default_rng(seed)

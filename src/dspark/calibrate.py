@@ -16,6 +16,7 @@ import numpy as np
 
 GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))  # temperatures searched
 CALIBRATION_FILE = "calibration.json"
+MIN_CLASS = 20  # accepted and rejected drafts a position needs for its ROC-AUC to enter the mean
 
 
 @dataclass
@@ -94,7 +95,9 @@ def fit_sts(data: ConfidenceData, grid=GRID) -> list[float]:
 
 def metrics(data: ConfidenceData, temperatures) -> dict:
     """Per position k: ECE and Brier of the cumulative product against "x_1..x_k accepted", ROC-AUC of the
-    per-position confidence c_k for "x_k accepted given x_1..x_{k-1} were"; their means over positions; and
+    per-position confidence c_k for "x_k accepted given x_1..x_{k-1} were"; their means over positions (the AUC's
+    over the positions with at least MIN_CLASS accepted and MIN_CLASS rejected drafts: with a weak drafter the last
+    positions see a handful of acceptances, and an AUC from two positives is noise, listed but not averaged); and
     auc_pooled, the ROC-AUC of the cumulative product a_k against "x_1..x_k accepted" over every verified
     (request-step, k): the one global ranking that Algorithm 1 and the asynchronous scheduler sort by."""
     cum = cumulative(data, temperatures)
@@ -108,8 +111,11 @@ def metrics(data: ConfidenceData, temperatures) -> dict:
         rows_out.append({"position": k, "samples": int(rows.sum()), "ece": ece(cum[rows, k - 1], events),
                          "brier": brier(cum[rows, k - 1], events),
                          "auc": roc_auc(data.confidence[cond_rows, k - 1], cond_events),
+                         "auc_positives": int(cond_events.sum()), "auc_negatives": int(len(cond_events) - cond_events.sum()),
                          "accept_rate": float(events.mean()) if len(events) else float("nan")})
-    mean = {m: float(np.nanmean([r[m] for r in rows_out])) for m in ("ece", "brier", "auc")}
+    mean = {m: float(np.nanmean([r[m] for r in rows_out])) for m in ("ece", "brier")}
+    counted = [r["auc"] for r in rows_out if min(r["auc_positives"], r["auc_negatives"]) >= MIN_CLASS]
+    mean["auc"] = float(np.mean(counted)) if counted else float("nan")
     return {"positions": rows_out, **mean, "auc_pooled": roc_auc(np.concatenate(pooled_scores),
                                                                    np.concatenate(pooled_events))}
 

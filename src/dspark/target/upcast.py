@@ -4,9 +4,8 @@ On such CPUs (AVX2, or AVX-512 without BF16) PyTorch's bf16 matrix product costs
 product per row, while float32 products of many rows run at full speed. Measured on an AVX2 EPYC, 2 threads
 (ad hoc): the default target's prefill of a 44-token prompt 333 -> 166 ms, of a 107-token prompt 778 -> 280 ms.
 One-row products (plain decoding) are fastest in bf16, so this path is asked for only where rows are
-many by nature: target features for training (FlatBatch(prefill=True); the engine admits requests on the plain
-forward until the distribution tests' reference uses this path too). Weights are converted CHUNK output rows at a time:
-no float32 copy of the model is kept.
+many by nature: the engine's prefill of admitted prompts and target features for training (FlatBatch(prefill=True)).
+Weights are converted CHUNK output rows at a time: no float32 copy of the model is kept.
 
 Batch invariance: a row's result must not depend on which other rows share the product, or a request's
 output would depend on what else was admitted with it. Float32 products of fewer than MIN_ROWS rows take a
