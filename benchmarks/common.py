@@ -127,6 +127,8 @@ def result_preamble(result: dict) -> str:
     """The first lines of a result's markdown: title, command, commit, machine."""
     m = result["machine"]
     dirty = " (uncommitted changes)" if result.get("commit_dirty") else ""
+    resumed = result.get("resumed_rows_from_commits")
+    dirty += f" (resumed: rows measured at {', '.join(resumed)})" if resumed else ""
     return (f"# {result['benchmark']}\n\n`{result['command']}`\n\ncommit {result['commit']}{dirty}, {result['date']}; "
             f"{m['cpu']} (bf16 matrix unit: {m.get('bf16_matrix_unit', 'not recorded')}), {m['threads']} threads, torch {m['torch']}, transformers {m['transformers']}\n")
 
@@ -193,21 +195,34 @@ def finish(result: dict, out: str | Path, markdown_fn, plots: dict, log) -> int:
 
 class Partial:
     """The rows finished so far, kept in OUT.partial.json after each one, so a killed run resumes where it stopped
-    (--resume): rows are reused only when the settings are the same; each row records the commit that measured it.
+    (--resume): rows are reused only when the settings are the same; each row records the commit that measured it
+    ("-dirty" when the work tree had changes). A partial file is never overwritten by a run without --resume.
     `close` removes the file once the whole result is written."""
 
-    def __init__(self, out: str | Path, settings: dict, commit: str, resume: bool):
-        self.path = Path(out).with_name(Path(out).name + ".partial.json")
-        self.settings, self.commit, self.rows = settings, commit, []
-        if resume and self.path.is_file():
+    def __init__(self, out: str | Path, result: dict, resume: bool):
+        base = Path(out)
+        base = base.with_suffix("") if base.suffix in (".json", ".md") else base  # as write_result names files
+        self.path = base.with_name(base.name + ".partial.json")
+        self.settings, self.rows = result["settings"], []
+        self.commit = result["commit"] + ("-dirty" if result.get("commit_dirty") else "")
+        if self.path.is_file():
+            if not resume:
+                raise SystemExit(f"{self.path} holds the rows of an interrupted run: add --resume to go on from "
+                                 "them, or delete it to start afresh")
             saved = json.loads(self.path.read_text())
-            if saved["settings"] != settings:
-                raise SystemExit(f"{self.path} was written with other settings; remove it or run without --resume")
+            if saved["settings"] != self.settings:
+                raise SystemExit(f"{self.path} was written with other settings; delete it or run with those settings")
             self.rows = saved["rows"]
         self.commits = sorted({r["commit"] for r in self.rows})
+        if self.commits:
+            result["resumed_rows_from_commits"] = self.commits
 
     def find(self, **key) -> dict | None:
         return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
+
+    def discard(self, **key):
+        """Forget the rows matching key (a group that is measured again as a whole)."""
+        self.rows = [r for r in self.rows if not all(r.get(k) == v for k, v in key.items())]
 
     def add(self, row: dict):
         row["commit"] = self.commit

@@ -206,14 +206,13 @@ def main(argv=None) -> int:
     prompts = [base.chat_prompt(t["text"]) for t in texts]
     result = result_header("concurrency_sweep", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "temperature", "dtype", "threshold", "drafter",
-                                                         "cost_table")}
+                                                         "cost_table", "threads")}
     result["pareto_png"] = f"{Path(args.out).name}_pareto.png"
     result["cost_table"] = {"verify_sizes": cost.verify_sizes, "verify_seconds": cost.verify_seconds,
                             "draft_sizes": cost.draft_sizes, "draft_seconds": cost.draft_seconds,
                             "staircase": cost.staircase(), "meta": cost.meta}
-    partial = Partial(args.out, result["settings"], result["commit"], args.resume)
-    if partial.commits:
-        result["resumed_rows_from_commits"] = partial.commits
+    result["settings"]["cost_table_verify_seconds"] = cost.verify_seconds  # resume only on the same table
+    partial = Partial(args.out, result, args.resume)
     rows = []
     for R in levels:
         done = [partial.find(concurrency=R, config=c) for c in configs]
@@ -221,6 +220,7 @@ def main(argv=None) -> int:
             rows += done
             log(f"R={R}: {len(done)} configurations from {partial.path.name}")
         else:
+            partial.discard(concurrency=R)
             rows += measure_level(llms, prompts, R, args, log, partial)
         # written after every R, so an interrupted sweep keeps what it measured
         result["rows"], result["headline"] = rows, headline(rows)

@@ -126,9 +126,11 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 
 
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
-    if done := [r for r in partial.rows if r["section"] == "speed"]:
-        log(f"speed: {len(done)} systems from {partial.path.name}")
-        return done
+    names = ["plain", *llms] + (["llama.cpp"] if not args.no_llama_cpp and llama_cpp_available() else [])
+    if all(partial.find(section="speed", system=n) for n in names):
+        log(f"speed: {len(names)} systems from {partial.path.name}")
+        return [partial.find(section="speed", system=n) for n in names]
+    partial.discard(section="speed")
     texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
     prompts = [plain.chat_prompt(t) for t in texts]
     peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]
@@ -255,9 +257,7 @@ def main(argv=None) -> int:
                                                                         max_num_seqs=args.batch)
     result = result_header("drafters", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype", "tau_dtype")} | {"drafters": args.drafter_dirs}
-    partial = Partial(args.out, result["settings"], result["commit"], args.resume)
-    if partial.commits:
-        result["resumed_rows_from_commits"] = partial.commits
+    partial = Partial(args.out, result, args.resume)
     rows = acceptance_rows(drafter_llms(tau_plain, args.drafter_dirs), args, log, partial)
     rows += speed_rows(drafter_llms(plain, args.drafter_dirs), plain, args, log, partial)
     result["rows"], result["headline"] = rows, headline(rows)

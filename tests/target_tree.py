@@ -39,10 +39,13 @@ class Node:
 
 
 class PrefixLogits:
-    """Logits after the prompt followed by each of many prefixes, computed as the engine computes them: the
-    prompt prefilled once (`FlatBatch(prefill=True)`, the engine's admission), its cache copied into every slot
-    (a prefill is batch-invariant, tested in test_upcast), then the prefixes' tokens in one plain forward per
-    CHUNK prefixes, reading the prompt's cached keys (the engine's verify forwards)."""
+    """Logits after the prompt followed by each of many prefixes, computed along the engine's path: the prompt
+    prefilled once (`FlatBatch(prefill=True)`, the engine's admission; batch-invariant, tested in test_upcast),
+    its cache copied into every slot, then the prefixes' tokens in one plain forward per CHUNK prefixes, reading
+    the prompt's cached keys (the engine's verify forwards). Rows are grouped differently from the engine's steps,
+    which in bf16 moves only the last bits of a logit: a reference of whole-sequence plain forwards passed the
+    real-model tests against the engine on the plain path; the same reference against an engine admitting on the
+    prefill path failed the top-p test (p = 0), so the prompt must take the engine's path."""
 
     def __init__(self, model, prompt_ids: list[int], depth: int):
         c = model.config
@@ -61,6 +64,7 @@ class PrefixLogits:
         if prefixes == [()]:
             return self.first
         k = len(prefixes[0])
+        assert all(len(p) == k for p in prefixes), "one forward per prefix length"
         out = []
         for i in range(0, len(prefixes), CHUNK):
             chunk = prefixes[i:i + CHUNK]

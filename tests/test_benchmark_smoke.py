@@ -102,13 +102,19 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
 
     partial = tmp_path / "drafters.partial.json"
     assert not partial.exists()  # removed once the result is written
-    rows = result["rows"]  # an interrupted run's rows (one marked) are reused by --resume, not recomputed
-    rows[0]["tau"] = 99.0
-    partial.write_text(json.dumps({"settings": result["settings"], "rows": rows}))
+    # an interrupted run's first row (marked) is reused by --resume, the others are measured again
+    first = result["rows"][0] | {"tau": 99.0, "commit": "abc1234"}
+    partial.write_text(json.dumps({"settings": result["settings"], "rows": [first]}))
+    with pytest.raises(SystemExit, match="add --resume"):  # never overwritten by a fresh run
+        run_script("drafters.py", argv)
     assert run_script("drafters.py", argv + ["--resume"]) == 0
     resumed = json.loads(out.with_suffix(".json").read_text())
-    assert resumed["rows"] == rows and resumed["resumed_rows_from_commits"] == [result["commit"]]
-    partial.write_text(json.dumps({"settings": result["settings"] | {"prompts": 3}, "rows": rows}))
+    assert resumed["rows"][0] == first and resumed["resumed_rows_from_commits"] == ["abc1234"]
+    assert [(r["drafter"], r["temperature"], r["set"]) for r in resumed["rows"][1:len(acc)]] == [
+        (r["drafter"], r["temperature"], r["set"]) for r in acc[1:]]
+    assert all(r["commit"] != "abc1234" for r in resumed["rows"][1:])
+    assert "rows measured at abc1234" in out.with_suffix(".md").read_text()
+    partial.write_text(json.dumps({"settings": result["settings"] | {"prompts": 3}, "rows": [first]}))
     with pytest.raises(SystemExit, match="other settings"):
         run_script("drafters.py", argv + ["--resume"])
 
@@ -140,6 +146,8 @@ def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
     assert run_script("concurrency_sweep.py", argv) == 0
     resumed = json.loads(out.with_suffix(".json").read_text())
     assert resumed["rows"] == rows and not (tmp_path / "sweep.partial.json").exists()
+    with pytest.raises(SystemExit):  # resuming needs the table the rows were scheduled with
+        run_script("concurrency_sweep.py", argv[:-3] + ["--resume"])
 
 
 @pytest.mark.slow
