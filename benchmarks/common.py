@@ -220,9 +220,14 @@ class Partial:
     def find(self, **key) -> dict | None:
         return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
 
-    def discard(self, **key):
-        """Forget the rows matching key (a group that is measured again as a whole)."""
+    def group(self, field: str, values: list, **key) -> list[dict] | None:
+        """The rows matching key with field = each of values, in that order, when all are there; otherwise None,
+        and the group's partial rows are forgotten (it is measured again as a whole)."""
+        done = [self.find(**key, **{field: v}) for v in values]
+        if all(done):
+            return done
         self.rows = [r for r in self.rows if not all(r.get(k) == v for k, v in key.items())]
+        return None
 
     def add(self, row: dict):
         row["commit"] = self.commit

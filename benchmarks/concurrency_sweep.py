@@ -215,12 +215,10 @@ def main(argv=None) -> int:
     partial = Partial(args.out, result, args.resume)
     rows = []
     for R in levels:
-        done = [partial.find(concurrency=R, config=c) for c in configs]
-        if all(done):
+        if done := partial.group("config", configs, concurrency=R):
             rows += done
             log(f"R={R}: {len(done)} configurations from {partial.path.name}")
         else:
-            partial.discard(concurrency=R)
             rows += measure_level(llms, prompts, R, args, log, partial)
         # written after every R, so an interrupted sweep keeps what it measured
         result["rows"], result["headline"] = rows, headline(rows)

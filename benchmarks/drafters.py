@@ -127,10 +127,9 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
     names = ["plain", *llms] + (["llama.cpp"] if not args.no_llama_cpp and llama_cpp_available() else [])
-    if all(partial.find(section="speed", system=n) for n in names):
-        log(f"speed: {len(names)} systems from {partial.path.name}")
-        return [partial.find(section="speed", system=n) for n in names]
-    partial.discard(section="speed")
+    if done := partial.group("system", names, section="speed"):
+        log(f"speed: {len(done)} systems from {partial.path.name}")
+        return done
     texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
     prompts = [plain.chat_prompt(t) for t in texts]
     peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]

@@ -162,8 +162,7 @@ class LLMEngine:
         lens = [len(r.prompt_ids) for r in new]
         self.cache.reserve(len(self.running), max(lens) + 1)
         batch = FlatBatch(torch.tensor([t for r in new for t in r.prompt_ids]),
-                          torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot,
-                          prefill=True)
+                          torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot, prefill=True)
         try:
             out = self.target(batch, self.cache)
             last = batch.last_index
