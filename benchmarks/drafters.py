@@ -9,7 +9,8 @@ conditional acceptance, and single-request speed against plain decoding (and lla
     run batched (--batch at once): τ does not depend on the batch, up to bf16 rounding.
 (b) position-wise conditional acceptance: P(x_k accepted | x_1..x_{k-1} accepted and x_k verified), k = 1..γ.
 (c) single-request tokens/s on the --speed-sets prompts, greedy, exactly --max-new-tokens tokens, every system
-    interleaved prompt by prompt: plain decoding, each drafter, llama.cpp.
+    interleaved prompt by prompt: plain decoding, each drafter at fixed γ, DSpark under the async scheduler (the
+    default of `dspark generate`: it skips the drafter where no budget pays for it), llama.cpp.
 """
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 
 
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
+    if "dspark" in llms:  # what `dspark generate` runs by default: DSpark under the asynchronous scheduler
+        llms = llms | {"dspark-async": plain.sibling(args.drafter_dirs["dspark"], "async", gamma=7, max_num_seqs=1)}
     names = ["plain", *llms] + (["llama.cpp"] if not args.no_llama_cpp and llama_cpp_available() else [])
     if done := partial.group("system", names, section="speed"):
         log(f"speed: {len(done)} systems from {partial.path.name}")
@@ -176,6 +179,8 @@ def headline(rows: list[dict]) -> dict:
     speed = {r["system"]: r for r in rows if r["section"] == "speed"}
     if "dspark" in speed:
         h["dspark_vs_plain_bs1"] = speed["dspark"]["vs_plain"]
+        if "dspark-async" in speed:
+            h["dspark_async_vs_plain_bs1"] = speed["dspark-async"]["vs_plain"]
         if "llama.cpp" in speed:
             h["dspark_vs_llamacpp_bs1"] = speed["dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
     return h

@@ -96,7 +96,7 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
         (d, t, s) for d in ("dspark", "eagle3") for t in (0.0, 1.0) for s in ("gsm8k", "mt-bench")}
     assert all(r["tau"] >= 1.0 and len(r["position_accept"]) == 7 for r in acc)
     assert result["settings"]["dtype"] == "bf16" and result["settings"]["tau_dtype"] == "fp32"
-    assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3"]
+    assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3", "dspark-async"]
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
 

@@ -192,6 +192,27 @@ def test_threshold_chooses_prefixes_above_it(data, threshold):
         assert bool((a[r, :l] >= threshold).all()) and (l == a.shape[1] or float(a[r, l]) < threshold)
 
 
+@pytest.mark.parametrize("drafter_seconds, expected", [
+    (0.5, [False, False, True, True, True, False, True]),  # the drafter never pays: skipped, probed every 3 steps
+    (0.01, [False] * 7),  # a cheap drafter: drafting pays at every step
+])
+def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_seconds, expected):
+    cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.1, 1.2], [1], [drafter_seconds])
+    scheduler = AsyncBudgetScheduler(cost, probe_every=3)
+    proposal = Proposal(torch.zeros(1, 4, dtype=torch.long), None, torch.tensor([4]), torch.full((1, 4), 0.3))
+    decisions = []
+    for _ in expected:
+        decisions.append(scheduler.skip_drafting(1, 4))
+        if not decisions[-1]:
+            scheduler.plan(proposal)
+    assert decisions == expected
+    # the rule: plain decoding (no drafter call) against the best budget with the call
+    a = prefix_survival(proposal.confidence, proposal.lengths)
+    best = max((1 + float(a[0, :k].sum())) / cost.step_time(1 + k, 1) for k in range(5))
+    assert (best <= 1 / cost.step_time(1, 1, drafted=False)) == expected[2]
+    assert not FixedLength(3).skip_drafting(2, 6) and FixedLength(0).skip_drafting(2, 6)
+
+
 def test_schedulers_without_confidences_verify_everything():
     proposal = Proposal(torch.zeros(2, 3, dtype=torch.long), None, torch.tensor([3, 1]))
     for s in (PrefixScheduler(APPENDIX_A), AsyncBudgetScheduler(APPENDIX_A), ThresholdScheduler(0.5)):
@@ -291,3 +312,21 @@ def test_profile_prefills_past_the_per_step_prefill_budget(tiny_target, tiny_tar
     table = profile_engine(llm.engine, max_requests=4, context=16, repeats=1, progress=False)
     assert table.verify_sizes[-1] == 4 * (BLOCK + 1) and all(t > 0 for t in table.verify_seconds)
     assert not llm.engine.has_unfinished() and llm.engine.cache.num_used == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_engine_skipping_the_drafter_stays_lossless(tiny_target, tiny_target_dir):
+    """A table where no budget pays for the drafter: the async scheduler skips it, drafting every third step."""
+    prompts = [[5 + i, 9, 33, 100 + i, 7] * (i + 1) for i in range(3)]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
+    plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)
+    costly = CostTable(list(range(1, 65)), [0.02 * b for b in range(1, 65)], [1, 64], [0.02, 0.02])
+    drafter = DSparkDrafter(tiny_drafter(tiny_target, "gated", seed=3))
+    llm = LLM(str(tiny_target_dir), drafter=drafter, dtype="fp32", gamma=BLOCK,
+              scheduler=AsyncBudgetScheduler(costly, probe_every=2))
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = list(llm.engine.stats)
+    skipped = [s for s in stats if s.draft_skipped]
+    assert skipped and len(skipped) < len(stats)
+    assert all(not sum(s.drafted) and s.verify_tokens == s.num_requests for s in skipped)

@@ -20,14 +20,18 @@ def add_target_args(g):
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model and engine")
     add_target_args(g)
-    g.add_argument("--drafter", default="prompt-lookup",
+    g.add_argument("--drafter", default="auto",
                    help="draft model: auto (the bundled DSpark drafter where it fits the target, else "
                         "prompt-lookup), default (the bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain "
                         "decoding), prompt-lookup (n-gram match against the context) or the folder of a DSpark, "
                         "DFlash or Eagle3-style drafter (config.json + model.safetensors, the released layout) "
                         "(default: %(default)s)")
-    g.add_argument("--scheduler", default="fixed", choices=SCHEDULERS,
-                   help="how many drafts each request verifies per step (default: %(default)s)")
+    g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
+                   help="how many drafts each request verifies per step: auto (async where the drafter gives "
+                        "confidences, else fixed), fixed (all γ), plain (none), threshold (prefix survival >= "
+                        "--threshold), algorithm1 (METHOD.md's Algorithm 1) or async (the production scheduler: a "
+                        "budget from the confidences of two steps back, over the whole cost table; it skips the "
+                        "drafter on steps where no budget pays for the drafter's time) (default: %(default)s)")
     g.add_argument("--gamma", type=int, default=7, help="draft block size γ (default: %(default)s)")
     g.add_argument("--cost-table", default=None,
                    help="SPS(B) cost table from `dspark profile` for the algorithm1 and async schedulers (default: "
@@ -59,13 +63,19 @@ def llm_from_args(args, **config):
                threshold=args.threshold, **config)
 
 
+def skipped_note(stats) -> str:
+    """How often the scheduler skipped the drafter, when it did."""
+    skipped = sum(st.draft_skipped for st in stats)
+    return f", drafter skipped on {skipped}/{len(stats)} steps (it did not pay here)" if skipped else ""
+
+
 def cmd_generate(args) -> int:
     from . import SamplingParams
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
-    llm = llm_from_args(args)
+    llm = llm_from_args(args, max_num_seqs=1)  # one request: a cost table profiled at first use needs B <= γ + 1
     if args.raw:
         inputs = prompt
     else:
@@ -90,7 +100,8 @@ def cmd_generate(args) -> int:
         drafter = type(llm.engine.drafter).__name__
         print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tok/s | {drafter}: "
               f"acceptance length τ {out.acceptance_length:.2f}, {out.drafts_accepted}/{out.drafts_verified} "
-              f"drafts accepted ({rate:.0%}) | finish: {out.finish_reason}]", file=sys.stderr)
+              f"drafts accepted ({rate:.0%}){skipped_note(llm.engine.stats)} | finish: {out.finish_reason}]",
+              file=sys.stderr)
     return 0
 
 

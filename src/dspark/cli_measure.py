@@ -89,4 +89,4 @@ def add_profile_parser(sub):
     pr.add_argument("--context", type=int, default=128, help="committed tokens per request (default: %(default)s)")
     pr.add_argument("--repeats", type=int, default=3, help="timed repeats per size, median kept (default: %(default)s)")
     add_engine_args(pr)
-    pr.set_defaults(func=cmd_profile)
+    pr.set_defaults(func=cmd_profile, scheduler="fixed")  # the scheduler plays no part in measuring

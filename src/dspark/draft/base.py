@@ -26,6 +26,7 @@ class Drafter:
 
     gamma: int = 0
     target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
+    has_confidence: bool = False  # proposals carry confidences (a confidence scheduler can use them)
 
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
         """Draft for every running request (in order); sample with each request's params and generator.

@@ -21,6 +21,7 @@ class DSparkDrafter(ContextCacheDrafter):
         if temperatures is not None and len(temperatures) != self.gamma:
             raise ValueError(f"{len(temperatures)} calibration temperatures for a block of {self.gamma}")
         self.temperatures = temperatures
+        self.has_confidence = model.confidence_head is not None
 
     @torch.inference_mode()
     def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:

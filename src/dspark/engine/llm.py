@@ -10,7 +10,7 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from ..draft import make_drafter
 from ..sampling import SamplingParams
-from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler
+from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler, resolve_auto
 from ..schedule.profile import cached_profile
 from ..target.loading import load_target
 from .llm_engine import LLMEngine
@@ -21,10 +21,12 @@ class LLM:
     """Load a target (and a drafter), then generate for many prompts with continuous batching.
 
     target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
-    in the local cache. drafter: "none", "prompt-lookup", a drafter folder (DSpark, DFlash, Eagle3-style) or a
-    Drafter. scheduler: "fixed", "plain", "threshold", "algorithm1", "async" or a Scheduler; the last two cost
-    steps with an SPS(B) table: `cost_table` (a file from `dspark profile`), else one profiled for this
-    target, drafter and machine at first use and cached.
+    in the local cache. drafter: "none", "prompt-lookup", "default" (the bundled DSpark drafter), "auto" (that one
+    where it fits the target, else prompt lookup), a drafter folder (DSpark, DFlash, Eagle3-style) or a Drafter.
+    scheduler: "fixed", "plain", "threshold", "algorithm1", "async", "auto" (async where the drafter gives
+    confidences, else fixed) or a Scheduler; algorithm1 and async cost steps with an SPS(B) table: `cost_table`
+    (a file from `dspark profile`), else one profiled for this target, drafter and machine at first use and
+    cached.
     """
 
     def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
@@ -41,6 +43,7 @@ class LLM:
         max_len = self.config.max_model_len or model.config.max_position_embeddings
         self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len),
                                 FixedLength(gamma), self.config)
+        scheduler = resolve_auto(scheduler, self.engine.drafter)
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
             key = (str(self.target_path), str(drafter), self.config.dtype, self.config.max_num_seqs,
                    torch.get_num_threads())

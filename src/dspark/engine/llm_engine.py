@@ -11,7 +11,7 @@ from collections import deque
 import torch
 
 from ..config import EngineConfig
-from ..draft.base import Drafter, NoDrafter
+from ..draft.base import Drafter, NoDrafter, Proposal
 from ..sampling import SamplingParams, param_tensors, sample, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
@@ -115,7 +115,9 @@ class LLMEngine:
         limit = int(room.max())
         if self.scheduler.max_drafts is not None:  # a fixed length: drafts past it would never be verified
             limit = min(limit, self.scheduler.max_drafts)
-        proposal = self.drafter.propose(reqs, limit)  # 1. draft
+        slots = int(room.clamp(max=min(limit, self.drafter.gamma)).sum())  # drafts this step could verify
+        st.draft_skipped = self.scheduler.skip_drafting(len(reqs), slots)
+        proposal = Proposal.empty(len(reqs)) if st.draft_skipped else self.drafter.propose(reqs, limit)  # 1. draft
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
         lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()

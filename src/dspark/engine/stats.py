@@ -11,6 +11,7 @@ class StepStats:
     drafted: list[int] = field(default_factory=list)  # drafts proposed per request
     verified: list[int] = field(default_factory=list)  # ℓ_r
     accepted: list[int] = field(default_factory=list)  # accepted drafts per request
+    draft_skipped: bool = False  # the scheduler skipped the drafter call: a plain decoding step
     expected_tau: float | None = None  # Σ_r (1 + Σ_{j<=ℓ_r} a_rj): the confidences' prediction of self.tokens
     confidence: list[list[float]] | None = None  # c[R, γ], when the engine records it
     prefill_tokens: int = 0

@@ -4,8 +4,16 @@ from .cost_table import CostTable
 from .prefix import PrefixScheduler
 from .threshold import ThresholdScheduler
 
-SCHEDULERS = ("fixed", "plain", "threshold", "algorithm1", "async")
+SCHEDULERS = ("auto", "fixed", "plain", "threshold", "algorithm1", "async")
 NEEDS_COST_TABLE = ("algorithm1", "async")
+
+
+def resolve_auto(spec, drafter) -> str:
+    """"auto": the asynchronous scheduler where the drafter gives confidences (the DSpark drafter), else a
+    fixed length; other specs unchanged."""
+    if spec != "auto":
+        return spec
+    return "async" if drafter.has_confidence else "fixed"
 
 
 def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshold: float = 0.5) -> Scheduler:
@@ -14,6 +22,8 @@ def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshol
     last two need the SPS(B) cost table."""
     if isinstance(spec, Scheduler):
         return spec
+    if spec == "auto":
+        raise ValueError("the auto scheduler depends on the drafter: resolve it with resolve_auto first")
     if spec in (None, "fixed"):
         return FixedLength(gamma)
     if spec == "plain":
@@ -28,4 +38,4 @@ def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshol
 
 
 __all__ = ["SCHEDULERS", "NEEDS_COST_TABLE", "AsyncBudgetScheduler", "CostTable", "FixedLength", "PrefixScheduler",
-           "Scheduler", "ThresholdScheduler", "make_scheduler"]
+           "Scheduler", "ThresholdScheduler", "make_scheduler", "resolve_auto"]

@@ -5,6 +5,11 @@ survival, ties to the earlier position. The budget never reads the current draft
 never outranks an earlier one of its request, so no draft's inclusion depends on confidences computed
 from it.
 
+Before the drafter runs, the same search decides whether drafting pays at all: plain decoding saves the
+drafter call, so where no budget's gain covers it (a CPU whose verify cost grows with every token, a
+drafter nearly as costly as the target) the step skips the drafter and verifies nothing. The decision reads
+only earlier steps, like the budget; every `probe_every`-th step drafts anyway, so the survivals stay current.
+
 On a CPU the plan runs between the drafter and the verify forward of the same step; the two-step lag is
 kept all the same, so the scheduler behaves as it would overlapped with the GPU.
 """
@@ -20,25 +25,43 @@ from .cost_table import CostTable
 from .survival import prefix_survival, top_k_lengths
 
 
-def global_budget(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> int:
-    """K in 0..slots maximising (R + expected gain of the K best drafts) · SPS(R + K), the gain read off
-    the sorted prefix survivals of an earlier step (stretched to `slots` candidates)."""
+def budget_search(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> tuple[int, float]:
+    """(K, Θ_K): K in 0..slots maximising Θ_K = (R + expected gain of the K best drafts) · SPS(R + K), the
+    gain read off the sorted prefix survivals of an earlier step (stretched to `slots` candidates)."""
     old = old_survival.flatten().double().sort(descending=True).values
     if old.numel() == 0 or slots == 0:
-        return 0
+        return 0, R * cost.sps(R, R)
     idx = (torch.arange(slots) * old.numel()) // slots  # the earlier ranking, stretched to this step's slots
     gains = torch.cat([old.new_zeros(1), old[idx].cumsum(0)])  # expected gain of the K best, K = 0..slots
     theta = [(R + float(gains[k])) * cost.sps(R + k, R) for k in range(slots + 1)]
-    return max(range(slots + 1), key=lambda k: (theta[k], -k))
+    k = max(range(slots + 1), key=lambda k: (theta[k], -k))
+    return k, theta[k]
+
+
+def global_budget(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> int:
+    return budget_search(old_survival, R, slots, cost)[0]
+
+
+def drafting_pays(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> bool:
+    """Whether the best budget (drafter call included) beats plain decoding, which has no drafter call."""
+    return slots > 0 and budget_search(old_survival, R, slots, cost)[1] > R * cost.sps(R, R, drafted=False)
 
 
 class AsyncBudgetScheduler(Scheduler):
     name = "async"
 
-    def __init__(self, cost: CostTable, lag: int = 2):
+    def __init__(self, cost: CostTable, lag: int = 2, probe_every: int = 32):
         self.cost = cost
-        self.history: deque[torch.Tensor] = deque(maxlen=lag)  # prefix survivals of the last steps
+        self.history: deque[torch.Tensor] = deque(maxlen=lag)  # prefix survivals of the last drafting steps
         self.budget: int | None = None
+        self.probe_every = probe_every
+        self.skipped = 0  # steps in a row that skipped the drafter
+
+    def skip_drafting(self, num_requests: int, slots: int) -> bool:
+        skip = (len(self.history) == self.history.maxlen and self.skipped < self.probe_every
+                and not drafting_pays(self.history[0], num_requests, slots, self.cost))
+        self.skipped = self.skipped + 1 if skip else 0
+        return skip
 
     def plan(self, proposal: Proposal) -> torch.Tensor:
         if proposal.confidence is None:
@@ -54,4 +77,4 @@ class AsyncBudgetScheduler(Scheduler):
         return top_k_lengths(a, self.budget)
 
     def observe(self, st) -> None:
-        self.cost.observe(st.verify_tokens, st.num_requests, st.t_total - st.t_prefill)
+        self.cost.observe(st.verify_tokens, st.num_requests, st.t_total - st.t_prefill, drafted=not st.draft_skipped)

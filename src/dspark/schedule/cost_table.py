@@ -53,22 +53,23 @@ class CostTable:
         return cls(sizes, [1.0 / sps[b] for b in sizes], meta=meta)
 
     # ---- costing -------------------------------------------------------------------------------
-    def step_time(self, B: int, R: int = 1) -> float:
-        """Predicted seconds of a step verifying B tokens for R requests (corrected online)."""
+    def step_time(self, B: int, R: int = 1, drafted: bool = True) -> float:
+        """Predicted seconds of a step verifying B tokens for R requests (corrected online); drafted=False:
+        a step that skipped the drafter call."""
         i, verify = _lookup(self.verify_sizes, self.verify_seconds, B)
-        return verify * self.correction[i] + _lookup(self.draft_sizes, self.draft_seconds, R)[1]
+        return verify * self.correction[i] + (_lookup(self.draft_sizes, self.draft_seconds, R)[1] if drafted else 0.0)
 
-    def sps(self, B: int, R: int = 1) -> float:
-        return 1.0 / self.step_time(B, R)
+    def sps(self, B: int, R: int = 1, drafted: bool = True) -> float:
+        return 1.0 / self.step_time(B, R, drafted)
 
     @property
     def max_size(self) -> int:
         return self.verify_sizes[-1]
 
-    def observe(self, B: int, R: int, seconds: float) -> None:
+    def observe(self, B: int, R: int, seconds: float, drafted: bool = True) -> None:
         """Fold a measured step time into its bucket's running ratio (measured / tabled)."""
         i, verify = _lookup(self.verify_sizes, self.verify_seconds, B)
-        draft = _lookup(self.draft_sizes, self.draft_seconds, R)[1]
+        draft = _lookup(self.draft_sizes, self.draft_seconds, R)[1] if drafted else 0.0
         if verify <= 0:
             return
         ratio = max(seconds - draft, 1e-6) / verify

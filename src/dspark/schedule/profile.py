@@ -9,6 +9,7 @@ import hashlib
 import math
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -104,7 +105,7 @@ def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
         return CostTable.load(path)
-    print(f"profiling step times for the scheduler (once; cached at {path})", flush=True)
+    print(f"profiling step times for the scheduler (once; cached at {path})", file=sys.stderr, flush=True)
     table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
     path.parent.mkdir(parents=True, exist_ok=True)
     return CostTable.load(table.save(path))
