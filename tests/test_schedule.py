@@ -193,7 +193,7 @@ def test_threshold_chooses_prefixes_above_it(data, threshold):
 
 
 @pytest.mark.parametrize("drafter_seconds, expected", [
-    (0.5, [False, False, True, True, True, False, True]),  # the drafter never pays: skipped, probed every 3 steps
+    (0.5, [False, False, True, True, True, False, True]),  # the drafter never pays: skipped, probed after 3 skips
     (0.01, [False] * 7),  # a cheap drafter: drafting pays at every step
 ])
 def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_seconds, expected):
@@ -316,7 +316,7 @@ def test_profile_prefills_past_the_per_step_prefill_budget(tiny_target, tiny_tar
 
 @pytest.mark.usefixtures("one_thread")
 def test_engine_skipping_the_drafter_stays_lossless(tiny_target, tiny_target_dir):
-    """A table where no budget pays for the drafter: the async scheduler skips it, drafting every third step."""
+    """A table where no budget pays for the drafter: the async scheduler skips it, drafting after every 2 skips."""
     prompts = [[5 + i, 9, 33, 100 + i, 7] * (i + 1) for i in range(3)]
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
     plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)

@@ -8,7 +8,8 @@ from it.
 Before the drafter runs, the same search decides whether drafting pays at all: plain decoding saves the
 drafter call, so where no budget's gain covers it (a CPU whose verify cost grows with every token, a
 drafter nearly as costly as the target) the step skips the drafter and verifies nothing. The decision reads
-only earlier steps, like the budget; every `probe_every`-th step drafts anyway, so the survivals stay current.
+only earlier steps, like the budget; after `probe_every` skipped steps in a row one step drafts anyway, so the
+survivals stay current.
 
 On a CPU the plan runs between the drafter and the verify forward of the same step; the two-step lag is
 kept all the same, so the scheduler behaves as it would overlapped with the GPU.
