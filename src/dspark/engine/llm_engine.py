@@ -115,7 +115,8 @@ class LLMEngine:
         limit = int(room.max())
         if self.scheduler.max_drafts is not None:  # a fixed length: drafts past it would never be verified
             limit = min(limit, self.scheduler.max_drafts)
-        slots = int(room.clamp(max=min(limit, self.drafter.gamma)).sum())  # drafts this step could verify
+        cap = min(limit, self.drafter.gamma) if self.drafter.gamma else limit  # a drafter may leave gamma unset
+        slots = int(room.clamp(max=cap).sum())  # drafts this step could verify
         st.draft_skipped = self.scheduler.skip_drafting(len(reqs), slots)
         proposal = Proposal.empty(len(reqs)) if st.draft_skipped else self.drafter.propose(reqs, limit)  # 1. draft
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
