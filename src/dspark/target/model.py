@@ -273,7 +273,7 @@ class TargetModel(nn.Module):
 
         On a CPU, float32 heads of 2–11 rows are padded to a multiple of 4 rows: the float32 matrix product of
         2, 3, 6, 7, 10 or 11 rows runs a wide head up to 2× slower than the next multiple of 4 (SmolLM2's 49,152-row
-        head, AVX2 EPYC, 2 threads: 3 rows 35 ms, 4 rows 17 ms), which made plain decoding of 2 requests slower
+        head, AVX2 EPYC, 2 threads, ad hoc: 3 rows 33 ms, 4 rows 17 ms), which made plain decoding of 2 requests slower
         than verifying a draft for each."""
         n = hidden.shape[0]
         pad = -n % 4 if hidden.dtype == torch.float32 and hidden.is_cpu and 1 < n < 12 else 0
