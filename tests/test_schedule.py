@@ -330,3 +330,4 @@ def test_engine_skipping_the_drafter_stays_lossless(tiny_target, tiny_target_dir
     skipped = [s for s in stats if s.draft_skipped]
     assert skipped and len(skipped) < len(stats)
     assert all(not sum(s.drafted) and s.verify_tokens == s.num_requests for s in skipped)
+    assert all(s.expected_tau == s.num_requests for s in skipped)  # predictions cover every step, as τ does

@@ -139,6 +139,8 @@ class LLMEngine:
         if proposal.confidence is not None:
             st.expected_tau = expected_tau(prefix_survival(proposal.confidence, proposal.lengths), lengths)
             st.confidence = proposal.confidence.tolist() if self.record_confidence else None
+        elif st.draft_skipped and self.drafter.has_confidence:  # nothing verified: τ is 1 per request, surely
+            st.expected_tau = float(len(reqs))
         for req, n, v in zip(reqs, accepted, st.verified):
             req.drafts_verified += v
             req.drafts_accepted += n
