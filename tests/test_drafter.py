@@ -339,6 +339,40 @@ def test_checkpoint_without_frozen_weights_needs_the_target(tiny_target, tmp_pat
         load_drafter(tmp_path)
 
 
+def test_context_is_projected_lazily_in_one_batched_forward(tiny_target, monkeypatch):
+    """Commits only queue positions, so steps that skip the drafter cost it no forward; the next proposal projects
+    every queued position of every request in one call and drafts as if each commit had been projected at once;
+    a request with FLUSH_ROWS positions queued is projected at commit (the queue's memory stays bounded)."""
+    from dspark.draft.context_cache import FLUSH_ROWS
+
+    model = tiny_drafter(tiny_target, "vanilla")
+    seqs, a = [sequence(20, 1), sequence(20, 2)], 12
+    feats = target_features(tiny_target, seqs, model.target_layer_ids).features
+    lazy, eager = DSparkDrafter(model), DSparkDrafter(model)
+    calls = []
+    project = lazy.project
+    monkeypatch.setattr(lazy, "project", lambda reqs, *rest: calls.append(len(reqs)) or project(reqs, *rest))
+    chunks = [torch.arange(0, 5), torch.arange(5, 6), torch.arange(6, a)]  # a prompt, then one token per step
+    by_drafter = {}
+    for drafter in (lazy, eager):
+        reqs = [Request([seqs[i][a]], SamplingParams(temperature=1.0, seed=i)) for i in range(2)]
+        for i, req in enumerate(reqs):
+            req.slot, req.output_ids = i, [seqs[i][a]]
+        for idx in chunks:
+            drafter.commit(reqs, [torch.tensor(seqs[i])[idx] for i in range(2)], [feats[i, idx] for i in range(2)])
+            if drafter is eager:
+                drafter.flush()
+        by_drafter[drafter] = reqs
+    assert calls == [] and lazy.context_len == {} and lazy.committed_len(by_drafter[lazy][0].request_id) == a
+    got, want = lazy.propose(by_drafter[lazy]), eager.propose(by_drafter[eager])
+    assert calls == [2] and lazy.pending == {} and lazy.context_len[by_drafter[lazy][1].request_id] == a
+    torch.testing.assert_close(got.q, want.q, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-7)
+    req = by_drafter[lazy][0]
+    lazy.commit([req], [torch.zeros(FLUSH_ROWS, dtype=torch.long)], [feats[0, :1].expand(FLUSH_ROWS, -1)])
+    assert calls == [2, 1] and lazy.pending == {} and lazy.context_len[req.request_id] == a + FLUSH_ROWS
+
+
 # ---- engine ---------------------------------------------------------------------------------------
 def test_engine_with_dspark_drafter_is_lossless_under_greedy(tiny_target, tiny_target_dir):
     """Greedy output equals plain decoding, and the drafter's context always covers exactly the
@@ -353,7 +387,7 @@ def test_engine_with_dspark_drafter_is_lossless_under_greedy(tiny_target, tiny_t
     while engine.has_unfinished():
         engine.step()
         for req in engine.running:
-            assert drafter.context_len[req.request_id] == req.num_cached
-    assert drafter.context_len == {}  # every finished request was released
+            assert drafter.committed_len(req.request_id) == req.num_cached
+    assert drafter.context_len == {} and drafter.pending == {}  # every finished request was released
     assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
     assert sum(sum(s.verified) for s in engine.stats) > 0  # drafts were really verified

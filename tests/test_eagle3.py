@@ -105,7 +105,7 @@ def test_engine_with_eagle3_drafter_is_lossless_under_greedy(tiny_target, tiny_t
     llm = LLM(str(tiny_target_dir), drafter=drafter, gamma=BLOCK, dtype="fp32")
     outs = llm.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert drafter.context_len == {} and drafter.last_g == {}
+    assert drafter.context_len == {} and drafter.last_g == {} and drafter.pending == {}
     assert sum(sum(s.verified) for s in llm.engine.stats) > 0
 
 

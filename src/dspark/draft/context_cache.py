@@ -1,6 +1,13 @@
 """What the feature-reading drafters share: their own KV cache of the projected target context, slot for
-slot with the engine's cache. A request's committed positions are written at commit; draft positions are
-written past the context at propose time and overwritten by later context."""
+slot with the engine's cache. Draft positions are written past the context at propose time and
+overwritten by later context.
+
+Committed positions are projected lazily: `commit` only queues a request's new tokens and target features,
+and the queue is projected in one batched forward over every queued request when the drafter next proposes,
+or once some request has FLUSH_ROWS positions queued (which bounds the queue's memory). A step whose
+scheduler skips the drafter so costs the drafter nothing, and a step that drafts projects all its requests'
+new positions in one product instead of one small product per request.
+"""
 from __future__ import annotations
 
 import torch
@@ -8,6 +15,8 @@ import torch
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, cached_attention
 from .base import Drafter
+
+FLUSH_ROWS = 32
 
 
 class ContextCacheDrafter(Drafter):
@@ -18,28 +27,56 @@ class ContextCacheDrafter(Drafter):
         c = model.c
         self.cache = KVCache(len(model.layers), c.num_key_value_heads, c.head_dim, model.dtype,
                              max_model_len + self.gamma)
-        self.context_len: dict[str, int] = {}  # request id -> context positions in the drafter cache
+        self.context_len: dict[str, int] = {}  # request id -> projected context positions in the drafter cache
+        self.pending: dict[str, list] = {}  # request id -> [request, [tokens], [features], queued positions]
+
+    def project(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor],
+                positions: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per drafter layer (keys, values) [N, KVH, hd] of the requests' new context positions, concatenated
+        in request order (each request's tokens [n_r], features [n_r, m*d] and positions [n_r])."""
+        raise NotImplementedError
 
     def attend(self, batch: FlatBatch):
         return lambda layer, q, k, v: cached_attention(layer, q, k, v, batch, self.cache)
 
-    def store_context(self, req, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Append n positions of per-layer (keys, values) [n, KVH, hd] to the request's context."""
-        start, n = self.context_len.get(req.request_id, 0), kv[0][0].shape[0]
-        self.cache.reserve(req.slot + 1, start + n + self.gamma)
-        positions = torch.arange(start, start + n)
-        slots = torch.full_like(positions, req.slot)
-        for layer, (k, v) in enumerate(kv):
-            self.cache.store(layer, slots, positions, k, v)
-        self.context_len[req.request_id] = start + n
-        return positions
+    @torch.inference_mode()
+    def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
+        longest = 0
+        for req, toks, feats in zip(requests, tokens, features):
+            entry = self.pending.setdefault(req.request_id, [req, [], [], 0])
+            entry[1].append(toks)
+            entry[2].append(feats)
+            entry[3] += len(toks)
+            longest = max(longest, entry[3])
+        if longest >= FLUSH_ROWS:
+            self.flush()
 
-    def context_positions(self, req, n: int) -> torch.Tensor:
-        start = self.context_len.get(req.request_id, 0)
-        return torch.arange(start, start + n)
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Project every queued position into the cache (one batched forward)."""
+        if not self.pending:
+            return
+        entries = list(self.pending.values())
+        self.pending = {}
+        reqs = [e[0] for e in entries]
+        starts = [self.context_len.get(r.request_id, 0) for r in reqs]
+        positions = [torch.arange(s, s + e[3]) for s, e in zip(starts, entries)]
+        kv = self.project(reqs, [torch.cat(e[1]) for e in entries], [torch.cat(e[2]) for e in entries], positions)
+        slots = torch.cat([torch.full((e[3],), r.slot) for r, e in zip(reqs, entries)])
+        self.cache.reserve(max(r.slot for r in reqs) + 1, max(s + e[3] for s, e in zip(starts, entries)) + self.gamma)
+        for layer, (k, v) in enumerate(kv):
+            self.cache.store(layer, slots, torch.cat(positions), k, v)
+        for req, s, e in zip(reqs, starts, entries):
+            self.context_len[req.request_id] = s + e[3]
+
+    def committed_len(self, request_id: str) -> int:
+        """Context positions committed so far, projected or queued."""
+        entry = self.pending.get(request_id)
+        return self.context_len.get(request_id, 0) + (entry[3] if entry else 0)
 
     @torch.inference_mode()  # the cache may have been allocated in inference mode (commit, propose)
     def release(self, request, moved_from: int | None = None) -> None:
         self.context_len.pop(request.request_id, None)
+        self.pending.pop(request.request_id, None)
         if moved_from is not None:
             self.cache.copy_slot(moved_from, request.slot, self.cache.capacity)

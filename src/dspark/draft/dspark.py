@@ -23,11 +23,8 @@ class DSparkDrafter(ContextCacheDrafter):
         self.temperatures = temperatures
         self.has_confidence = model.confidence_head is not None
 
-    @torch.inference_mode()
-    def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        for req, feats in zip(requests, features):
-            positions = self.context_positions(req, feats.shape[0])
-            self.store_context(req, self.model.context_kv(self.model.context(feats), positions))
+    def project(self, requests, tokens, features, positions):
+        return self.model.context_kv(self.model.context(torch.cat(features)), torch.cat(positions))
 
     @torch.inference_mode()
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
@@ -35,6 +32,7 @@ class DSparkDrafter(ContextCacheDrafter):
         K = G if limit is None else max(0, min(G, limit))  # positions sampled (the block itself stays whole)
         if K == 0:
             return Proposal.empty(R)
+        self.flush()
         anchors = torch.tensor([r.last_token for r in requests])
         starts = torch.tensor([self.context_len[r.request_id] for r in requests])
         block = m.block_inputs(anchors)  # [R, G]

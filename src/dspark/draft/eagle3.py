@@ -18,15 +18,16 @@ class Eagle3Drafter(ContextCacheDrafter):
         super().__init__(model, max_model_len)
         self.last_g: dict[str, torch.Tensor] = {}  # request id -> fused feature of its newest context position
 
-    @torch.inference_mode()
-    def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
-        for req, toks, feats in zip(requests, tokens, features):
-            g = self.model.fuse(feats)
-            first = self.last_g.get(req.request_id, g.new_zeros(1, g.shape[1]))  # g_{-1} = 0 at position 0
-            g_prev = torch.cat([first, g[:-1]])
-            positions = self.context_positions(req, len(toks))
-            self.store_context(req, self.model.context_kv(toks, g_prev, positions))
-            self.last_g[req.request_id] = g[-1:]
+    def project(self, requests, tokens, features, positions):
+        g = self.model.fuse(torch.cat(features))
+        ends = torch.tensor([len(t) for t in tokens]).cumsum(0)
+        # g_prev: each request's own previous fused feature (g_{-1} = 0 at position 0)
+        firsts = [self.last_g.get(r.request_id, g.new_zeros(1, g.shape[1])) for r in requests]
+        g_prev = torch.cat([x for first, part in zip(firsts, g.tensor_split(ends[:-1].tolist()))
+                            for x in (first, part[:-1])])
+        for req, end in zip(requests, ends.tolist()):
+            self.last_g[req.request_id] = g[end - 1:end]
+        return self.model.context_kv(torch.cat(tokens), g_prev, torch.cat(positions))
 
     @torch.inference_mode()
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
@@ -34,6 +35,7 @@ class Eagle3Drafter(ContextCacheDrafter):
         K = G if limit is None else max(0, min(G, limit))
         if K == 0:
             return Proposal.empty(R)
+        self.flush()
         prev = torch.tensor([r.last_token for r in requests])
         positions = torch.tensor([self.context_len[r.request_id] for r in requests])
         g = torch.cat([self.last_g[r.request_id] for r in requests])
