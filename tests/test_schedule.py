@@ -193,8 +193,9 @@ def test_threshold_chooses_prefixes_above_it(data, threshold):
 
 
 @pytest.mark.parametrize("drafter_seconds, expected", [
-    (0.5, [False, False, True, True, True, False, True]),  # the drafter never pays: skipped, probed after 3 skips
-    (0.01, [False] * 7),  # a cheap drafter: drafting pays at every step
+    # the drafter never pays: skipped, probed after 3 skips, then after 6 (each fruitless probe doubles the wait)
+    (0.5, [False, False] + [True] * 3 + [False] + [True] * 6 + [False, True]),
+    (0.01, [False] * 14),  # a cheap drafter: drafting pays at every step
 ])
 def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_seconds, expected):
     cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.1, 1.2], [1], [drafter_seconds])
@@ -210,6 +211,8 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     a = prefix_survival(proposal.confidence, proposal.lengths)
     best = max((1 + float(a[0, :k].sum())) / cost.step_time(1 + k, 1) for k in range(5))
     assert (best <= 1 / cost.step_time(1, 1, drafted=False)) == expected[2]
+    cost.draft_seconds = [0.01]  # drafting pays again: the next step drafts and probing starts over from 3
+    assert not scheduler.skip_drafting(1, 4) and scheduler.wait == 3
     assert not FixedLength(3).skip_drafting(2, 6) and FixedLength(0).skip_drafting(2, 6)
 
 
@@ -316,7 +319,7 @@ def test_profile_prefills_past_the_per_step_prefill_budget(tiny_target, tiny_tar
 
 @pytest.mark.usefixtures("one_thread")
 def test_engine_skipping_the_drafter_stays_lossless(tiny_target, tiny_target_dir):
-    """A table where no budget pays for the drafter: the async scheduler skips it, drafting after every 2 skips."""
+    """A table where no budget pays for the drafter: the async scheduler skips it, probing after 2 skips, then 4, ..."""
     prompts = [[5 + i, 9, 33, 100 + i, 7] * (i + 1) for i in range(3)]
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9, 14)]
     plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)

@@ -9,7 +9,9 @@ Before the drafter runs, the same search decides whether drafting pays at all: p
 drafter call, so where no budget's gain covers it (a CPU whose verify cost grows with every token, a
 drafter nearly as costly as the target) the step skips the drafter and verifies nothing. The decision reads
 only earlier steps, like the budget; after `probe_every` skipped steps in a row one step drafts anyway, so the
-survivals stay current.
+survivals stay current. Each probe after which drafting still does not pay doubles the wait before the next
+(up to `max_probe_every`), so where the drafter never pays the probes cost almost nothing; the first step where
+drafting pays again resets it.
 
 On a CPU the plan runs between the drafter and the verify forward of the same step; the two-step lag is
 kept all the same, so the scheduler behaves as it would overlapped with the GPU.
@@ -51,16 +53,23 @@ def drafting_pays(old_survival: torch.Tensor, R: int, slots: int, cost: CostTabl
 class AsyncBudgetScheduler(Scheduler):
     name = "async"
 
-    def __init__(self, cost: CostTable, lag: int = 2, probe_every: int = 32):
+    def __init__(self, cost: CostTable, lag: int = 2, probe_every: int = 32, max_probe_every: int = 512):
         self.cost = cost
         self.history: deque[torch.Tensor] = deque(maxlen=lag)  # prefix survivals of the last drafting steps
         self.budget: int | None = None
-        self.probe_every = probe_every
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.wait = probe_every  # skipped steps before the next probe
         self.skipped = 0  # steps in a row that skipped the drafter
 
     def skip_drafting(self, num_requests: int, slots: int) -> bool:
-        skip = (len(self.history) == self.history.maxlen and self.skipped < self.probe_every
-                and not drafting_pays(self.history[0], num_requests, slots, self.cost))
+        if len(self.history) < self.history.maxlen:  # no step N−2 yet: draft
+            skip = False
+        elif drafting_pays(self.history[0], num_requests, slots, self.cost):
+            skip, self.wait = False, self.probe_every
+        elif self.skipped >= self.wait:  # probe
+            skip, self.wait = False, min(2 * self.wait, self.max_probe_every)
+        else:
+            skip = True
         self.skipped = self.skipped + 1 if skip else 0
         return skip
 
