@@ -18,6 +18,7 @@ from dspark.config import EngineConfig
 from dspark.draft import DEFAULT_DRAFTER_DIR, make_drafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.sampling import SamplingParams
+from dspark.schedule.async_budget import AsyncBudgetScheduler
 from dspark.schedule import CostTable, make_scheduler
 from test_lossless_distribution import ALPHA, REAL_PROMPT
 
@@ -72,7 +73,10 @@ def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
     tree = TargetTree(target, prompt, params, SAMPLES, depth=TOKENS)
     config = EngineConfig(dtype="bf16", max_num_seqs=512, max_model_len=len(prompt) + TOKENS + 8)
     drafter = make_drafter(str(drafter_dir(name)), target=target, max_model_len=config.max_model_len)
-    engine = LLMEngine(target, tokenizer, drafter, make_scheduler(scheduler, drafter.gamma, cost=COST), config)
+    sched = make_scheduler(scheduler, drafter.gamma, cost=COST)
+    if isinstance(sched, AsyncBudgetScheduler):  # 512 requests: no budget pays here, so keep probing every 32 steps
+        sched.max_probe_every = sched.probe_every
+    engine = LLMEngine(target, tokenizer, drafter, sched, config)
     requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(SAMPLES)]
     while engine.has_unfinished():
         engine.step()
