@@ -181,13 +181,3 @@ def test_rollback_after_rejection_matches_fresh_forward(smollm_fp32, chat_ids):
     after, _ = runner.forward([[correct_third], long[43:45]])
     ref = CachedRunner(model, 1).forward([committed + [correct_third]])[0][-1:]
     assert rel_err(after, ref) < ROLLBACK_TOL
-
-
-def test_float32_lm_head_padding_keeps_rows(smollm_fp32):
-    """Heads of 2–11 rows run padded to a multiple of 4 rows; each row's logits stay its own."""
-    model, _, _ = smollm_fp32
-    hidden = torch.randn(11, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    for n in (1, 2, 3, 6, 7, 11):
-        out = model.logits(hidden[:n])
-        assert out.shape == (n, model.config.vocab_size)
-        torch.testing.assert_close(out, torch.nn.functional.linear(hidden[:n], model.lm_head.weight), rtol=1e-5, atol=1e-4)

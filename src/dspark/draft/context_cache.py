@@ -10,6 +10,8 @@ new positions in one product instead of one small product per request.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..target.kv_cache import KVCache
@@ -17,6 +19,15 @@ from ..target.model import FlatBatch, cached_attention
 from .base import Drafter
 
 FLUSH_ROWS = 32
+
+
+@dataclass
+class Queued:
+    """A request's committed positions waiting to be projected."""
+    request: object
+    tokens: list = field(default_factory=list)  # [n_i] tensors, in commit order
+    features: list = field(default_factory=list)  # [n_i, m*d] tensors
+    rows: int = 0  # total queued positions
 
 
 class ContextCacheDrafter(Drafter):
@@ -28,7 +39,7 @@ class ContextCacheDrafter(Drafter):
         self.cache = KVCache(len(model.layers), c.num_key_value_heads, c.head_dim, model.dtype,
                              max_model_len + self.gamma)
         self.context_len: dict[str, int] = {}  # request id -> projected context positions in the drafter cache
-        self.pending: dict[str, list] = {}  # request id -> [request, [tokens], [features], queued positions]
+        self.pending: dict[str, Queued] = {}  # request id -> its positions not yet projected
 
     def project(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor],
                 positions: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,11 +54,11 @@ class ContextCacheDrafter(Drafter):
     def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:
         longest = 0
         for req, toks, feats in zip(requests, tokens, features):
-            entry = self.pending.setdefault(req.request_id, [req, [], [], 0])
-            entry[1].append(toks)
-            entry[2].append(feats)
-            entry[3] += len(toks)
-            longest = max(longest, entry[3])
+            queued = self.pending.setdefault(req.request_id, Queued(req))
+            queued.tokens.append(toks)
+            queued.features.append(feats)
+            queued.rows += len(toks)
+            longest = max(longest, queued.rows)
         if longest >= FLUSH_ROWS:
             self.flush()
 
@@ -56,23 +67,25 @@ class ContextCacheDrafter(Drafter):
         """Project every queued position into the cache (one batched forward)."""
         if not self.pending:
             return
-        entries = list(self.pending.values())
+        queue = list(self.pending.values())
         self.pending = {}
-        reqs = [e[0] for e in entries]
+        reqs = [q.request for q in queue]
         starts = [self.context_len.get(r.request_id, 0) for r in reqs]
-        positions = [torch.arange(s, s + e[3]) for s, e in zip(starts, entries)]
-        kv = self.project(reqs, [torch.cat(e[1]) for e in entries], [torch.cat(e[2]) for e in entries], positions)
-        slots = torch.cat([torch.full((e[3],), r.slot) for r, e in zip(reqs, entries)])
-        self.cache.reserve(max(r.slot for r in reqs) + 1, max(s + e[3] for s, e in zip(starts, entries)) + self.gamma)
+        ends = [s + q.rows for s, q in zip(starts, queue)]
+        positions = [torch.arange(s, e) for s, e in zip(starts, ends)]
+        kv = self.project(reqs, [torch.cat(q.tokens) for q in queue], [torch.cat(q.features) for q in queue],
+                          positions)
+        slots = torch.cat([torch.full((q.rows,), r.slot) for r, q in zip(reqs, queue)])
+        self.cache.reserve(max(r.slot for r in reqs) + 1, max(ends) + self.gamma)
         for layer, (k, v) in enumerate(kv):
             self.cache.store(layer, slots, torch.cat(positions), k, v)
-        for req, s, e in zip(reqs, starts, entries):
-            self.context_len[req.request_id] = s + e[3]
+        for req, end in zip(reqs, ends):
+            self.context_len[req.request_id] = end
 
     def committed_len(self, request_id: str) -> int:
         """Context positions committed so far, projected or queued."""
-        entry = self.pending.get(request_id)
-        return self.context_len.get(request_id, 0) + (entry[3] if entry else 0)
+        queued = self.pending.get(request_id)
+        return self.context_len.get(request_id, 0) + (queued.rows if queued else 0)
 
     @torch.inference_mode()  # the cache may have been allocated in inference mode (commit, propose)
     def release(self, request, moved_from: int | None = None) -> None:

@@ -18,8 +18,9 @@ per request.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .onednn import linear
 
 CHUNK = 1024
 MIN_ROWS = 4
@@ -42,7 +43,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = rows.shape[0]
     if n < MIN_ROWS:
         rows = torch.cat((rows, rows.new_zeros(MIN_ROWS - n, rows.shape[1])))
-    out = torch.cat([F.linear(rows, weight[i:i + CHUNK].float()) for i in range(0, weight.shape[0], CHUNK)], 1)[:n]
+    out = torch.cat([linear(rows, weight[i:i + CHUNK].float()) for i in range(0, weight.shape[0], CHUNK)], 1)[:n]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -54,4 +55,4 @@ class ManyRowsLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if UPCAST_HELPS and self.weight.dtype == torch.bfloat16 and x.is_cpu and x.numel() >= FAST_ROWS * x.shape[-1]:
             return upcast_linear(x, self.weight, self.bias)
-        return super().forward(x)
+        return linear(x, self.weight, self.bias)
