@@ -1,10 +1,12 @@
-"""Prefill: the float32 path for many-row bf16 products computes the product, and batch invariance holds: a
-row's result, and a request's prefill, do not depend on what else shares the forward."""
+"""The float32 path for many-row bf16 products computes the product; prefill batch invariance holds (a row's
+result, and a request's prefill, do not depend on what else shares the forward); the target's forwards take
+the path for a prefill or many rows, never for one row."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dspark.target.model as target_model
+import dspark.target.upcast as upcast
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch
 from dspark.target.upcast import CHUNK, upcast_linear
@@ -29,11 +31,11 @@ def test_upcast_product_rows_do_not_depend_on_the_row_count():
 
 @pytest.fixture()
 def upcast_everywhere(monkeypatch):
-    """The float32 prefill path whatever this CPU has (it is only used by default without a bf16 unit)."""
-    monkeypatch.setattr(target_model, "UPCAST_HELPS", True)
+    """The float32 path whatever this CPU has (it is only used by default without a bf16 unit)."""
+    monkeypatch.setattr(upcast, "UPCAST_HELPS", True)
 
 
-def prefill(target, prompts: list[list[int]], upcast: bool = True) -> list[torch.Tensor]:
+def prefill(target, prompts: list[list[int]], is_prefill: bool = True) -> list[torch.Tensor]:
     """Final hidden states of each prompt, prefilled together in one forward."""
     c = target.config
     cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads,
@@ -41,7 +43,7 @@ def prefill(target, prompts: list[list[int]], upcast: bool = True) -> list[torch
     cache.num_used = len(prompts)
     lens = [len(p) for p in prompts]
     batch = FlatBatch(torch.tensor([t for p in prompts for t in p]), torch.cat([torch.arange(n) for n in lens]),
-                      lens, prefill=upcast)
+                      lens, prefill=is_prefill)
     hidden = target(batch, cache).hidden
     return list(hidden.split(lens))
 
@@ -54,5 +56,22 @@ def test_a_prefill_does_not_depend_on_what_is_admitted_with_it(llm_bf16, chat_pr
     assert torch.equal(alone, together)
     whole = prefill(target, [short])[0]
     assert torch.equal(whole, prefill(target, [others[0], short])[1])
-    bf16 = prefill(target, [short], upcast=False)[0]  # the same model: float32 products round less
-    assert (bf16.float() - whole.float()).abs().max() < 0.05 * bf16.float().abs().max()
+    upcast.UPCAST_HELPS = False  # (restored by the fixture)
+    bf16 = prefill(target, [short])[0]  # the same model in bf16 products: float32 products round less
+    assert not torch.equal(bf16, whole) and (bf16.float() - whole.float()).abs().max() < 0.05 * bf16.float().abs().max()
+
+
+def test_the_target_takes_the_float32_path_for_a_prefill_or_many_rows(llm_bf16, upcast_everywhere, monkeypatch):
+    target, calls = llm_bf16.engine.target, []
+    monkeypatch.setattr(upcast, "upcast_linear", lambda x, w, b: calls.append(len(x)) or F.linear(x, w, b))
+    monkeypatch.setattr(target_model, "upcast_linear", upcast.upcast_linear)
+    few, many = [1, 2, 3, 4, 5, 6, 7][:upcast.MANY_ROWS - 1], list(range(1, upcast.MANY_ROWS + 1))
+    for tokens, is_prefill, expect in ((few, False, False), (few, True, True), (many, False, True)):
+        calls.clear()
+        hidden = torch.cat(prefill(target, [tokens], is_prefill))
+        target.logits(hidden)
+        assert bool(calls) == expect and all(n == len(tokens) for n in calls), (len(tokens), is_prefill, calls)
+    monkeypatch.setattr(upcast, "UPCAST_HELPS", False)  # float32 targets and CPUs with a bf16 unit: never
+    calls.clear()
+    target.logits(torch.cat(prefill(target, [many])))
+    assert not calls

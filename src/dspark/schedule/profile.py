@@ -22,6 +22,7 @@ from ..sampling import SamplingParams, param_tensors, warp
 from ..verify import rejection_sample
 from .cost_table import CostTable
 
+PROFILE_VERSION = 2  # part of a cached profile's key: raised when step costs change shape (2: bf16 many-row verify in float32)
 DEFAULT_SIZES = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -101,7 +102,7 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
 def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
     """The cost table for this engine and machine from ~/.cache/dspark/profiles, profiled (about a minute)
     and saved there the first time."""
-    digest = hashlib.sha256(repr((*key, machine()["cpu"])).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(repr((*key, machine()["cpu"], PROFILE_VERSION)).encode()).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
         return CostTable.load(path)

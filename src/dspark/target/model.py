@@ -14,7 +14,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .onednn import linear
-from .upcast import UPCAST_HELPS, upcast_linear
+from .upcast import takes_upcast, upcast_linear
 
 
 @dataclass
@@ -261,7 +261,7 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        upcast = batch.prefill and UPCAST_HELPS and x.dtype == torch.bfloat16 and x.is_cpu
+        upcast = takes_upcast(x, batch.prefill)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, upcast)
@@ -272,5 +272,5 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in the model dtype, returned as float32 [N, V]."""
-        return self.lm_head(hidden).float()
+        """LM head in the model dtype (many bf16 rows through upcast.py's float32 path), returned as float32 [N, V]."""
+        return self.lm_head(hidden, takes_upcast(hidden)).float()

@@ -1,15 +1,22 @@
 """Many-row products of bf16 weights computed in float32, for CPUs without a bf16 matrix unit.
 
 On such CPUs (AVX2, or AVX-512 without BF16) PyTorch's bf16 matrix product costs about one single-row
-product per row, while float32 products of many rows run at full speed. Measured on an AVX2 EPYC, 2 threads
-(ad hoc): the default target's prefill of a 44-token prompt 333 -> 166 ms, of a 107-token prompt 778 -> 280 ms.
-One-row products (plain decoding) are fastest in bf16, so this path is asked for only where rows are
-many by nature: the engine's prefill of admitted prompts and target features for training (FlatBatch(prefill=True)).
-Weights are converted CHUNK output rows at a time: no float32 copy of the model is kept.
+product per row, while float32 products of many rows run at full speed; converting the weights to float32
+costs about as much as a few one-row bf16 products. Measured on an AVX2 EPYC, 2 threads (ad hoc): the default
+target's prefill of a 44-token prompt 333 -> 166 ms, of a 107-token prompt 778 -> 280 ms; a verify forward
+after 200 cached tokens (medians of 6, interleaved): 4 rows 144 -> 194 ms, 6 rows 202 -> 202 ms (break-even),
+8 rows 258 -> 215 ms, 16 rows 476 -> 268 ms, 16 requests of one token 572 -> 350 ms. So the target's
+forwards take this path where rows are many: every prefill of admitted prompts and target features for
+training (FlatBatch(prefill=True)), and verify forwards and LM heads of at least MANY_ROWS rows; one-row
+products (plain decoding of one request) stay in bf16, where they are fastest. Weights are converted CHUNK
+output rows at a time: no float32 copy of the model is kept.
 
-Batch invariance: a row's result must not depend on which other rows share the product, or a request's
-output would depend on what else was admitted with it. Float32 products of fewer than MIN_ROWS rows take a
-different kernel whose rounding differs, so smaller inputs are padded to MIN_ROWS rows (tested).
+Batch invariance: a prefill row's result must not depend on which other rows share the product, or a
+request's output would depend on what else was admitted with it. Float32 products of fewer than MIN_ROWS rows
+take a different kernel whose rounding differs, so smaller inputs are padded to MIN_ROWS rows (tested). A
+verify forward takes the path by its total row count, so in bf16 a request's logits may move in the last bit
+with the number of tokens verified beside it (bf16 greedy outputs are reported, not promised, equal; float32
+and CPUs with a bf16 unit never take the path).
 
 Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows): a drafter's q is returned exactly
 as it was sampled from, so losslessness never needs it batch-invariant, and every drafting forward has G rows
@@ -24,6 +31,7 @@ from .onednn import linear
 
 CHUNK = 1024
 MIN_ROWS = 4
+MANY_ROWS = 8  # target verify forwards and LM heads: see below
 FAST_ROWS = 16
 
 
@@ -35,6 +43,13 @@ def cpu_bf16_unit() -> str:
 
 
 UPCAST_HELPS = cpu_bf16_unit() == "none"
+
+
+def takes_upcast(x: torch.Tensor, prefill: bool = False, rows: int | None = None) -> bool:
+    """Whether bf16 products over x [..., d] take the float32 path: on CPUs without a bf16 unit, for a
+    prefill or at least `rows` rows (default MANY_ROWS)."""
+    many = x.numel() >= (rows or MANY_ROWS) * x.shape[-1]
+    return UPCAST_HELPS and x.dtype == torch.bfloat16 and x.is_cpu and (prefill or many)
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -53,6 +68,4 @@ class ManyRowsLinear(nn.Linear):
     """nn.Linear whose bf16 products of at least FAST_ROWS rows take the float32 path where that is faster."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if UPCAST_HELPS and self.weight.dtype == torch.bfloat16 and x.is_cpu and x.numel() >= FAST_ROWS * x.shape[-1]:
-            return upcast_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return (upcast_linear if takes_upcast(x, rows=FAST_ROWS) else linear)(x, self.weight, self.bias)
