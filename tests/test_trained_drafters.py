@@ -18,7 +18,6 @@ from dspark.config import EngineConfig
 from dspark.draft import DEFAULT_DRAFTER_DIR, make_drafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.sampling import SamplingParams
-from dspark.schedule.async_budget import AsyncBudgetScheduler
 from dspark.schedule import CostTable, make_scheduler
 from test_lossless_distribution import ALPHA, REAL_PROMPT
 
@@ -28,6 +27,10 @@ DRAFTERS = {"dspark": DEFAULT_DRAFTER_DIR, "dflash": REPO_DRAFTERS / "smollm2-13
             "eagle3": REPO_DRAFTERS / "smollm2-135m-eagle3", "mtp": REPO_DRAFTERS / "smollm2-135m-mtp1"}
 # a cost table of this machine's shape (verify time flat to B = 8, then growing), so the schedulers trim
 COST = CostTable(list(range(1, 513)), [0.04 + 0.0015 * max(0, b - 8) for b in range(1, 513)], [1, 512], [0.005, 0.5])
+# verification nearly free, as on a GPU (5 µs per extra verified token on a 40 ms step), and taken as given (no
+# online correction from this CPU's step times): the async scheduler drafts every step and its confidence budget
+# trims the drafts whose survival is below ~0.1, so verified lengths vary by request and step
+NEARLY_FREE = CostTable([1, 4096], [0.04, 0.04 + 5e-6 * 4095], [1, 512], [0.001, 0.001], correction_rate=0.0)
 SAMPLES = 20_000
 TOKENS = 4  # compared per request: the prefill's token, then a verify step of up to 2 drafts and its bonus
 
@@ -73,10 +76,7 @@ def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
     tree = TargetTree(target, prompt, params, SAMPLES, depth=TOKENS)
     config = EngineConfig(dtype="bf16", max_num_seqs=512, max_model_len=len(prompt) + TOKENS + 8)
     drafter = make_drafter(str(drafter_dir(name)), target=target, max_model_len=config.max_model_len)
-    sched = make_scheduler(scheduler, drafter.gamma, cost=COST)
-    if isinstance(sched, AsyncBudgetScheduler):  # 512 requests: no budget pays here, so keep probing every 32 steps
-        sched.max_probe_every = sched.probe_every
-    engine = LLMEngine(target, tokenizer, drafter, sched, config)
+    engine = LLMEngine(target, tokenizer, drafter, make_scheduler(scheduler, drafter.gamma, cost=NEARLY_FREE), config)
     requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(SAMPLES)]
     while engine.has_unfinished():
         engine.step()
@@ -86,5 +86,6 @@ def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
     counts = np.bincount([index[tree.cell_of(r.output_ids)] for r in requests], minlength=len(keys))
     verified = sum(sum(st.verified) for st in engine.stats)
     accepted = sum(sum(st.accepted) for st in engine.stats)
-    assert verified > SAMPLES / 2 and 0 < accepted < verified  # drafts were verified, some accepted
+    trimmed = sum(sum(st.drafted) - sum(st.verified) for st in engine.stats)
+    assert verified > SAMPLES / 2 and 0 < accepted < verified and trimmed > 0  # drafts verified, some accepted, some cut
     assert g_test(counts, probs) > ALPHA
