@@ -6,6 +6,7 @@ requests through the engine, the paths alternated. Shows where the path pays (up
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -22,6 +23,16 @@ from dspark.target import upcast  # noqa: E402
 
 NEVER = 10**9  # MANY_ROWS that keeps every verify forward in bf16 (the path before 6a1165c)
 CHOSEN = upcast.MANY_ROWS
+
+
+@contextlib.contextmanager
+def many_rows(rows: int):
+    """upcast.MANY_ROWS = rows inside the block; the chosen value again afterwards, also on an error."""
+    upcast.MANY_ROWS = rows
+    try:
+        yield
+    finally:
+        upcast.MANY_ROWS = CHOSEN
 
 
 def parse_args(argv):
@@ -46,9 +57,8 @@ def verify_rows(model, tok, args) -> list[dict]:
     for _ in range(args.repeats):
         for s in shapes:
             for rows in (NEVER, CHOSEN):
-                upcast.MANY_ROWS = rows
-                times.setdefault((rows, len(s), sum(s)), []).extend(bench.time(s, 2, warmup=1))
-    upcast.MANY_ROWS = CHOSEN
+                with many_rows(rows):
+                    times.setdefault((rows, len(s), sum(s)), []).extend(bench.time(s, 2, warmup=1))
     out = []
     for s in shapes:
         bf16, f32 = (1e3 * statistics.median(times[rows, len(s), sum(s)]) for rows in (NEVER, upcast.MANY_ROWS))
@@ -65,20 +75,20 @@ def decode_rows(args, log) -> list[dict]:
     runs = {}
     for _ in range(args.repeats):
         for rows in (NEVER, CHOSEN):
-            upcast.MANY_ROWS = rows
             llm.engine.stats.clear()
-            t0 = time.perf_counter()
-            llm.generate(prompts, params)
-            wall = time.perf_counter() - t0
+            with many_rows(rows):
+                t0 = time.perf_counter()
+                llm.generate(prompts, params)
+                wall = time.perf_counter() - t0
             steps = sum(s.t_total - s.t_prefill for s in llm.engine.stats)
             runs.setdefault(rows, []).append((wall, steps))
             log(f"  decode, MANY_ROWS={rows}: {wall:.1f} s")
-    upcast.MANY_ROWS = CHOSEN
     n = args.concurrency * args.new_tokens
     out = []
     for rows, name in ((NEVER, "bf16"), (upcast.MANY_ROWS, "with path")):
         wall = statistics.median(w for w, _ in runs[rows])
-        out.append({"path": name, "tokens_per_s": n / wall, "decode_steps_s": statistics.median(s for _, s in runs[rows])})
+        steps = statistics.median(s for _, s in runs[rows])
+        out.append({"path": name, "tokens_per_s": n / wall, "decode_steps_s": steps})
     return out
 
 

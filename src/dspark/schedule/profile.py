@@ -22,8 +22,9 @@ from ..sampling import SamplingParams, param_tensors, warp
 from ..verify import rejection_sample
 from .cost_table import CostTable
 
-PROFILE_VERSION = 3  # part of a cached profile's key: raised when step costs change shape (2: bf16 many-row
-# verify in float32; 3: from 7 rows)
+# part of a cached profile's key, raised when step costs change shape (2: bf16 many-row verify in float32;
+# 3: that path from 7 rows)
+PROFILE_VERSION = 3
 DEFAULT_SIZES = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 

@@ -5,9 +5,9 @@ product per row, while float32 products of many rows run at full speed; converti
 costs about as much as a few one-row bf16 products. Measured on an AVX2 EPYC, 2 threads (ad hoc): the default
 target's prefill of a 44-token prompt 333 -> 166 ms, of a 107-token prompt 778 -> 280 ms; a verify forward
 after 200 cached tokens (medians of 6, interleaved): 4 rows 144 -> 194 ms, 6 rows 202 -> 202 ms (break-even),
-8 rows 258 -> 215 ms, 16 rows 476 -> 268 ms, 16 requests of one token 572 -> 350 ms; side by side
-(benchmarks/results/upcast_rows at 37c4192) one request of 7 tokens 225 -> 203 ms (1.11x), 7 requests of one
-token 266 -> 269 (0.99x; 1.10x in an ad hoc run of 8 rounds), 6 tokens 196 -> 197, hence MANY_ROWS = 7. So the target's
+8 rows 258 -> 215 ms, 16 rows 476 -> 268 ms, 16 requests of one token 572 -> 350 ms. Committed side by side
+(benchmarks/results/upcast_rows at 37c4192): one request of 7 tokens 225 -> 203 ms (1.11x), 7 requests of one
+token 266 -> 269 ms (0.99x), 8 tokens 1.23x; hence MANY_ROWS = 7. So the target's
 forwards take this path where rows are many: every prefill of admitted prompts and target features for
 training (FlatBatch(prefill=True)), and verify forwards and LM heads of at least MANY_ROWS rows; one-row
 products (plain decoding of one request) stay in bf16, where they are fastest. Weights are converted CHUNK
@@ -33,7 +33,7 @@ from .onednn import linear
 
 CHUNK = 1024
 MIN_ROWS = 4
-MANY_ROWS = 7  # target verify forwards and LM heads (break-even ~5.5 rows: benchmarks/results/upcast_rows)
+MANY_ROWS = 7  # target verify forwards and LM heads (see above)
 FAST_ROWS = 16
 
 
