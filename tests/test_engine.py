@@ -111,6 +111,19 @@ def test_requests_joining_and_leaving_keep_their_outputs(make_llm, greedy, noisy
     assert not engine.running and engine.cache.num_used == 0
 
 
+def test_requests_with_one_prompt_share_its_prefill(make_llm, chat_ids):
+    """Samples of one prompt admitted together cost one prefill (the others copy its keys and values), and
+    each is the sample its seed gives alone."""
+    prompts = [chat_ids[0], chat_ids[1], chat_ids[0], chat_ids[0]]
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=s) for s in range(len(prompts))]
+    llm = make_llm(drafter="prompt-lookup")
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats[0].prefill_tokens == len(chat_ids[0]) + len(chat_ids[1])
+    alone = [llm.generate(ids, sp)[0].token_ids for ids, sp in zip(prompts, params)]
+    assert together == alone
+    assert len({tuple(t) for t in together}) == len(prompts), "different seeds should give different samples"
+
+
 # ---- finishing: EOS, max_tokens, context limit, stop strings -----------------------------------
 @pytest.mark.parametrize("gamma", [2, 0])
 def test_a_fixed_length_scheduler_caps_what_is_drafted(make_llm, noisy_drafter, chat_ids, gamma):

@@ -150,34 +150,54 @@ class LLMEngine:
     # ---- pieces of the step ---------------------------------------------------------------------
     def _admit(self, st: StepStats) -> list[RequestOutput]:
         """Prefill waiting requests (up to max_num_seqs running and max_prefill_tokens) and sample
-        their first token."""
-        new: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if new and len(self.waiting[0].prompt_ids) > budget:
-                break
-            req = self.waiting.popleft()
-            budget -= len(req.prompt_ids)
+        their first token. Requests admitted together with the same prompt share one prefill: the first of
+        them is computed, the others copy its keys and values (n samples of one prompt cost one prefill)."""
+        new = self._take_waiting()
+        if not new:
+            return []
+        first: dict[tuple[int, ...], Request] = {}
+        for req in new:
+            first.setdefault(tuple(req.prompt_ids), req)
+        computed = list(first.values())
+        new = computed + [r for r in new if first[tuple(r.prompt_ids)] is not r]  # computed prompts in the first slots
+        for req in new:
             req.slot = self.cache.allocate()
             req.status, req.admitted_at = Status.RUNNING, time.perf_counter()
             self.running.append(req)
-            new.append(req)
-        if not new:
-            return []
-        lens = [len(r.prompt_ids) for r in new]
+        lens = [len(r.prompt_ids) for r in computed]
+        row = {id(r): i for i, r in enumerate(computed)}
+        source = torch.tensor([row[id(first[tuple(r.prompt_ids)])] for r in new])  # the computed prompt of each request
         self.cache.reserve(len(self.running), max(lens) + 1)
-        batch = FlatBatch(torch.tensor([t for r in new for t in r.prompt_ids]),
+        batch = FlatBatch(torch.tensor([t for r in computed for t in r.prompt_ids]),
                           torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot, prefill=True)
         try:
             out = self.target(batch, self.cache)
-            last = batch.last_index
-            p = warp(self.target.logits(out.hidden[last]), *param_tensors([r.params for r in new]))
-            first = sample(p, torch.cat([r.uniforms(1) for r in new])).tolist()
-            self._commit(new, batch, out.features, lens)
+            for req, i in zip(new[len(computed):], source[len(computed):].tolist()):
+                self.cache.copy_slot(computed[i].slot, req.slot, lens[i])
+            logits = self.target.logits(out.hidden[batch.last_index])[source]
+            p = warp(logits, *param_tensors([r.params for r in new]))
+            first_tokens = sample(p, torch.cat([r.uniforms(1) for r in new])).tolist()
+            self._commit(new, batch, out.features, [len(r.prompt_ids) for r in new], source)
         except Exception as exc:  # the forward failed: these requests fail, the engine goes on
             return self._fail(new, exc)
         st.prefill_tokens = sum(lens)
-        return self._emit(new, [[t] for t in first], count_step=False)
+        return self._emit(new, [[t] for t in first_tokens], count_step=False)
+
+    def _take_waiting(self) -> list[Request]:
+        """Waiting requests to admit now: up to max_num_seqs running, and max_prefill_tokens of prompts
+        (a prompt already taken this step costs nothing more)."""
+        taken: list[Request] = []
+        seen: set[tuple[int, ...]] = set()
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(taken) < self.config.max_num_seqs:
+            prompt = tuple(self.waiting[0].prompt_ids)
+            cost = 0 if prompt in seen else len(prompt)
+            if taken and cost > budget:
+                break
+            taken.append(self.waiting.popleft())
+            seen.add(prompt)
+            budget -= cost
+        return taken
 
     def _room(self, reqs: list[Request]) -> torch.Tensor:
         """Drafts each request can still verify: its context and its max_tokens leave room for the drafts
@@ -193,9 +213,11 @@ class LLMEngine:
         self.cache.reserve(len(self.running), max(pos) + 1)
         return FlatBatch(torch.tensor(toks), torch.tensor(pos), (1 + lengths).tolist(), slot_start=reqs[0].slot)
 
-    def _commit(self, reqs: list[Request], batch: FlatBatch, features, committed: list[int]):
-        """Keep the first committed[r] positions of each request's forward; the rest roll back."""
-        starts = batch.starts.tolist()
+    def _commit(self, reqs: list[Request], batch: FlatBatch, features, committed: list[int],
+                source: torch.Tensor | None = None):
+        """Keep the first committed[r] positions of each request's forward; the rest roll back. Request r's
+        positions are those of the batch's request source[r] (default r: its own)."""
+        starts = (batch.starts if source is None else batch.starts[source]).tolist()
         for req, n in zip(reqs, committed):
             req.num_cached += n
         if features is not None:
