@@ -5,8 +5,9 @@ the same chat prompts from ../shared/data, the same dtype, greedy, exactly --max
     python benchmarks/engine_speed.py           # the full run: bf16 and fp32, writes benchmarks/results/engine_speed.*
     python benchmarks/engine_speed.py --quick   # smoke test, under a minute
 
-(a) plain decoding tokens/s at each --concurrency (1 = the prompts one after another; c > 1 = c prompts, the
-    list cycled, in one batch: transformers pads on the left); (b) prompt lookup at batch 1 and its greedy
+(a) plain decoding tokens/s at each --concurrency (1 = the prompts one after another; c > 1 = c distinct
+    prompts in one batch: transformers pads on the left; distinct, so that dspark's shared prefill of equal
+    prompts never applies); (b) prompt lookup at batch 1 and its greedy
     agreement with plain decoding; (c) time of one verify forward for B tokens of one request and for R
     requests of one token; (d) llama.cpp on the same GGUF at batch 1, interleaved with (a) and (b).
 """
@@ -52,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke test (defaults below in [])")
     p.add_argument("--dtype", help=f"comma-separated: bf16, fp32, q4_1 (transformers runs bf16 there) [{FULL['dtype']}; quick {QUICK['dtype']}]")
-    p.add_argument("--prompts", type=int, help=f"chat prompts, round-robin over the eval sets [{FULL['prompts']}]")
+    p.add_argument("--prompts", type=int, help=f"chat prompts at batch 1, round-robin over the eval sets (a batch of c takes the first c) "
+                   f"[{FULL['prompts']}]")
     p.add_argument("--prompt-sets", default="gsm8k,humaneval,mt-bench", help="eval sets the prompts come from "
                    "(first user turn of eval_NAME.jsonl) [%(default)s]")
     p.add_argument("--max-new-tokens", type=int, help=f"tokens per request, forced [{FULL['max_new_tokens']}]")
@@ -126,13 +128,13 @@ def bench_dtype(dtype: str, args, texts: list[str], llama: LlamaCppPeer | None, 
     lookup_llm = LLM(drafter=PromptLookupDrafter(gamma=args.lookup_tokens, max_ngram=args.lookup_ngram),
                      gamma=args.lookup_tokens, dtype=dtype, max_num_seqs=1)
     hf_model, hf_tokenizer = load_transformers(plain_llm.target_path, plain_llm.config.torch_dtype)
-    prompts = [plain_llm.chat_prompt(t) for t in texts]
+    prompts = [plain_llm.chat_prompt(t) for t in texts]  # max(--prompts, concurrency) distinct
     plain, lookup = DsparkPeer(plain_llm, PLAIN), DsparkPeer(lookup_llm, LOOKUP)
     hf = TransformersPeer(hf_model, hf_tokenizer, HF)
     hf_lookup = TransformersPeer(hf_model, hf_tokenizer, HF_LOOKUP, prompt_lookup_num_tokens=args.lookup_tokens,
                                  max_matching_ngram_size=args.lookup_ngram)
     bs1_peers = [plain, hf, lookup, hf_lookup] + ([llama] if llama else [])
-    batches = {c: [[p] for p in prompts] if c == 1 else [cycle(prompts, c)] for c in concurrency}
+    batches = {c: [[p] for p in prompts[:args.prompts]] if c == 1 else [prompts[:c]] for c in concurrency}
 
     log(f"{dtype}: warm-up")
     for c in concurrency:
@@ -160,20 +162,20 @@ def bench_dtype(dtype: str, args, texts: list[str], llama: LlamaCppPeer | None, 
                "prompt_lookup_acceptance_length": statistics.median(accept)}
     rows = []
     for c in concurrency:
-        requests = len(prompts) if c == 1 else c
+        requests = args.prompts if c == 1 else c
         for name in (PLAIN, HF):
             rows.append(speed_row("plain", name, dtype, c, requests, n, seconds[name, c]))
-    rows.append(speed_row("prompt_lookup", LOOKUP, dtype, 1, len(prompts), n, seconds[LOOKUP, 1],
+    rows.append(speed_row("prompt_lookup", LOOKUP, dtype, 1, args.prompts, n, seconds[LOOKUP, 1],
                           acceptance_length=figures["prompt_lookup_acceptance_length"],
                           greedy_agreement=figures["greedy_agreement"]))
-    rows.append(speed_row("prompt_lookup", HF_LOOKUP, dtype, 1, len(prompts), n, seconds[HF_LOOKUP, 1],
+    rows.append(speed_row("prompt_lookup", HF_LOOKUP, dtype, 1, args.prompts, n, seconds[HF_LOOKUP, 1],
                           greedy_agreement=figures["transformers_greedy_agreement"]))
     if llama:
-        rows.append(speed_row("llamacpp", LLAMA, f"{llama.gguf.stem.rsplit('.', 1)[-1]} (GGUF)", 1, len(prompts), n,
+        rows.append(speed_row("llamacpp", LLAMA, f"{llama.gguf.stem.rsplit('.', 1)[-1]} (GGUF)", 1, args.prompts, n,
                               seconds[LLAMA, 1], interleaved_with=dtype))
 
     log(f"{dtype}: verify step-time curve")
-    context = cycle([t for p in prompts for t in p], args.verify_context)
+    context = cycle([t for p in prompts[:args.prompts] for t in p], args.verify_context)
     for row in step_time_curve(plain_llm.engine.target, context, args.verify_tokens, args.verify_requests,
                                args.verify_timings, progress=log):
         rows.append({"section": "verify_step", "system": "dspark verify forward", "dtype": dtype, **row})
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     log = Log()
-    texts = [p["text"] for p in load_prompts(args.data_dir, args.prompts, args.prompt_sets)]
+    texts = [p["text"] for p in load_prompts(args.data_dir, max(args.prompts, *args.concurrency), args.prompt_sets)]
     result = result_header("engine_speed", __file__, argv)
     notes = []
     llama = None

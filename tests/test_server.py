@@ -1,5 +1,5 @@
 """`dspark serve` on loopback, called with the official `openai` client as users call it: chat and
-completions, streaming and not, stop strings, seeds, usage counts; greedy answers equal `dspark generate`;
+completions, streaming and not, stop strings, seeds, n choices, usage counts; greedy answers equal `dspark generate`;
 bad input gets OpenAI-shaped 4xx errors and the server keeps serving; a dropped stream leaves nothing
 running or held; 429 over the limits; SIGTERM shuts down cleanly with exit code 0.
 
@@ -147,6 +147,32 @@ def test_seeds_are_reproducible(client):
     assert len({a, sample(8), sample(9)}) > 1
 
 
+def test_n_choices_share_one_prefill_and_replay_with_their_seed(client, server):
+    """n = 3 answers with 3 different samples (choice i samples with seed + i) from one prefill; the same request
+    again, streamed or not, gives the same choices; usage counts every choice. (Each choice equals its seed's sample
+    alone only up to rounding, which in bf16 can move a sample: the float32 engine test checks that equality.)"""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[1]}], "temperature": 1.0, "seed": 5,
+          "max_tokens": 12}
+    server.llm.engine.stats.clear()
+    many = client.chat.completions.create(n=3, **kw)
+    assert server.llm.engine.stats[0].prefill_tokens == many.usage.prompt_tokens  # one prefill for three
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [c.message.content for c in many.choices]
+    assert len(set(texts)) == 3
+    assert [c.message.content for c in client.chat.completions.create(n=3, **kw).choices] == texts
+    assert 3 <= many.usage.completion_tokens <= 36
+    assert many.usage.prompt_tokens == len(server.llm.chat_prompt(PROMPTS[1]))
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    assert chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+    completions = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=1.0, n=2,
+                                            max_tokens=8)
+    assert [c.index for c in completions.choices] == [0, 1] and all(c.text for c in completions.choices)
+    assert wait_until(server.idle)
+
+
 def test_greedy_answers_equal_dspark_generate(client):
     for prompt in PROMPTS:
         out = io.StringIO()
@@ -175,7 +201,8 @@ BAD = [
     ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400),
     ("temperature out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, 400),
     ("top_p out of range", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
-    ("n > 1", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("n = 0", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
+    ("n over the server's limit", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 7}, 400),
     ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
     ("empty message list", {"model": MODEL, "messages": []}, 400),
     ("unknown role", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),

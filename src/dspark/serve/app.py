@@ -1,6 +1,7 @@
 """`dspark serve`: an OpenAI-compatible HTTP API (FastAPI + uvicorn) on one shared engine loop.
 
-POST /v1/chat/completions and /v1/completions (streaming with server-sent events, or not), GET /v1/models,
+POST /v1/chat/completions and /v1/completions (streaming with server-sent events, or not; n choices of
+one prompt share its prefill, choice i samples with seed + i), GET /v1/models,
 /health and /metrics (Prometheus). Errors use OpenAI's shape and never carry a stack trace; over the
 limits the answer is 429; prompt plus max_tokens over the context is 400; a client that goes away has
 its request aborted at once.
@@ -8,6 +9,7 @@ its request aborted at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import threading
@@ -81,7 +83,8 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
     # ---- requests ------------------------------------------------------------------------------------
-    def sampling(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def sampling(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i samples with seed + i."""
         if body.model != model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves {model_name!r}",
                              param="model", status=404, code="model_not_found")
@@ -91,64 +94,73 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         if len(prompt_ids) + max_tokens > max_len:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"context of {max_len} tokens", param="max_tokens", code="context_length_exceeded")
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              max_tokens=max_tokens, seed=body.seed, stop=body.stop or [])
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                max_tokens=max_tokens, seed=body.seed, stop=body.stop or [])
+        return [dataclasses.replace(params, seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
 
-    def submit(prompt_ids: list[int], params: SamplingParams, partial: bool) -> Stream:
+    def submit(prompt_ids: list[int], params: list[SamplingParams], partial: bool) -> Stream:
         try:
             return loop_engine.submit(prompt_ids, params, partial)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def collect(stream: Stream, request: Request) -> RequestOutput:
-        """Wait for the whole answer; abort if the client leaves first."""
-        final = None
+    async def collect(stream: Stream, request: Request) -> list[RequestOutput]:
+        """Wait for every choice's whole answer; abort them all if the client leaves first or one fails."""
+        finals: dict[str, RequestOutput] = {}
         try:
-            while final is None:
+            while len(finals) < len(stream.request_ids):
                 try:
                     out = await asyncio.wait_for(stream.outputs.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         raise asyncio.CancelledError from None
                     continue
-                final = out if out.finished else None
+                if out.finish_reason == "error":
+                    raise RuntimeError(out.error)
+                if out.finished:
+                    finals[out.request_id] = out
         finally:
-            if final is None:
-                loop_engine.abort(stream.request_id)
-        if final.finish_reason == "error":
-            raise RuntimeError(final.error)
-        return final
+            for request_id in stream.request_ids:
+                if request_id not in finals:
+                    loop_engine.abort(request_id)
+        return [finals[r] for r in stream.request_ids]
 
-    def usage(out: RequestOutput, prompt_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-                "total_tokens": prompt_tokens + len(out.token_ids)}
+    def usage(outs: list[RequestOutput], prompt_tokens: int) -> dict:
+        completion = sum(len(o.token_ids) for o in outs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
 
     def sse(stream: Stream, chunk, include_usage: bool):
-        """Server-sent events from chunk(delta, finish_reason, first) dicts; aborts the request on disconnect."""
+        """Server-sent events from chunk(index, delta, finish_reason, first) dicts, one per choice's step; aborts
+        the unfinished choices when the client disconnects."""
         def event(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         async def events():
-            finished, first = False, True
+            index = {r: i for i, r in enumerate(stream.request_ids)}
+            finals: dict[str, RequestOutput] = {}
+            started: set[str] = set()
             try:
                 async for out in stream:
                     if out.finish_reason == "error":
-                        finished = True
                         yield event({"error": {"message": out.error, "type": "server_error", "param": None,
                                                "code": None}})
                         break
+                    first = out.request_id not in started
                     if out.delta or first or out.finished:
-                        yield event(chunk(out.delta, out.finish_reason if out.finished else None, first))
-                        first = False
+                        yield event(chunk(index[out.request_id], out.delta,
+                                          out.finish_reason if out.finished else None, first))
+                        started.add(out.request_id)
                     if out.finished:
-                        finished = True
-                        if include_usage:
-                            yield event({**chunk(None, None, False), "choices": [],
-                                         "usage": usage(out, stream.prompt_tokens)})
+                        finals[out.request_id] = out
+                if include_usage and len(finals) == len(index):
+                    yield event({**chunk(0, None, None, False), "choices": [],
+                                 "usage": usage(list(finals.values()), stream.prompt_tokens)})
                 yield "data: [DONE]\n\n"
             finally:
-                if not finished:
-                    loop_engine.abort(stream.request_id)
+                for request_id in stream.request_ids:
+                    if request_id not in finals:
+                        loop_engine.abort(request_id)
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
@@ -161,16 +173,16 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         stream = submit(prompt_ids, params, partial=body.stream)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(delta, finish, first):
+            def chunk(index, delta, finish, first):
                 d = {} if delta is None else ({"role": "assistant", "content": delta} if first else {"content": delta})
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [{"index": 0, "delta": d, "finish_reason": finish}]}
+                        "choices": [{"index": index, "delta": d, "finish_reason": finish}]}
             return sse(stream, chunk, body.include_usage)
-        out = await collect(stream, request)
+        outs = await collect(stream, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason}],
-                "usage": usage(out, stream.prompt_tokens)}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
+                             "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
+                "usage": usage(outs, stream.prompt_tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -180,14 +192,15 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         stream = submit(prompt_ids, params, partial=body.stream)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            def chunk(delta, finish, first):
+            def chunk(index, delta, finish, first):
                 return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
             return sse(stream, chunk, body.include_usage)
-        out = await collect(stream, request)
+        outs = await collect(stream, request)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": usage(out, stream.prompt_tokens)}
+                "choices": [{"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+                            for i, out in enumerate(outs)],
+                "usage": usage(outs, stream.prompt_tokens)}
 
     @app.get("/v1/models")
     async def models():

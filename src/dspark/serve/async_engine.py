@@ -34,18 +34,21 @@ class Overloaded(Exception):
 
 @dataclass
 class Stream:
-    request_id: str
+    """The outputs of one submission: its requests (n samples of one prompt) share one queue."""
+    request_ids: list[str]
     prompt_tokens: int
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    partial: bool = True  # every step's output; False: only the finished one (a non-streaming answer)
+    partial: bool = True  # every step's output; False: only the finished ones (a non-streaming answer)
 
     async def __aiter__(self):
-        while True:
+        """Every output, until each request has finished."""
+        left = set(self.request_ids)
+        while left:
             out: RequestOutput = await self.outputs.get()
             yield out
             if out.finished:
-                return
+                left.discard(out.request_id)
 
 
 def put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -74,21 +77,25 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.error is None and not self.finished.is_set()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, partial: bool = True) -> Stream:
-        """Check and queue a request; raises ValueError (bad input) or Overloaded (over the limits).
-        partial=False: the stream gets only the finished output."""
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], partial: bool = True) -> Stream:
+        """Check and queue one request per params (n samples of one prompt: admitted together, they share one
+        prefill), all or none; raises ValueError (bad input) or Overloaded (over the limits).
+        partial=False: the stream gets only the finished outputs."""
         if self.stopping.is_set():
             raise Overloaded("the server is shutting down")
-        req = self.engine.new_request(prompt_ids, params)
-        stream = Stream(req.request_id, len(req.prompt_ids), asyncio.Queue(), asyncio.get_running_loop(), partial)
+        if len(params) > self.max_in_flight:
+            raise ValueError(f"n = {len(params)} is more than this server holds at once ({self.max_in_flight})")
+        reqs = [self.engine.new_request(prompt_ids, p) for p in params]
+        stream = Stream([r.request_id for r in reqs], len(reqs[0].prompt_ids), asyncio.Queue(),
+                        asyncio.get_running_loop(), partial)
         with self.lock:
-            if len(self.streams) >= self.max_in_flight:
+            if len(self.streams) + len(reqs) > self.max_in_flight:
                 self.metrics.rejected.labels("overloaded").inc()
                 raise Overloaded(f"the server has {len(self.streams)} requests in flight (limit "
                                  f"{self.max_in_flight}: {self.engine.config.max_num_seqs} running plus the waiting "
                                  f"queue); retry later")
-            self.streams[req.request_id] = stream
-        self.commands.put(("add", req))
+            self.streams.update((r.request_id, stream) for r in reqs)
+        self.commands.put(("add", reqs))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -133,8 +140,7 @@ class AsyncEngine:
 
     def _handle(self, kind: str, value) -> None:
         if kind == "add":
-            if value.request_id in self.streams:  # not cancelled while queued
-                self.engine.waiting.append(value)
+            self.engine.waiting.extend(r for r in value if r.request_id in self.streams)  # not cancelled while queued
         elif kind == "abort":
             self._abort(value)
         # "stop": the loop checks self.stopping

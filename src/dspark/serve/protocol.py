@@ -8,6 +8,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+MAX_N = 64  # choices per request at most (the server's in-flight limit may be lower: then a 400)
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use (user, logit_bias, ...) pass
     model: str
@@ -15,7 +18,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens; 0 = off")
-    n: int = Field(1, ge=1, le=1, description="only n = 1 is served")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices: samples of the prompt (they share one prefill)")
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
