@@ -102,19 +102,21 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
 
     partial = tmp_path / "drafters.partial.json"
     assert not partial.exists()  # removed once the result is written
-    # an interrupted run's first row (marked) is reused by --resume, the others are measured again
-    first = result["rows"][0] | {"tau": 99.0, "commit": "abc1234"}
-    partial.write_text(json.dumps({"settings": result["settings"], "rows": [first]}))
+    # an interrupted run's rows (marked) are reused by --resume; the one it lacks (the last τ row) is measured
+    last = len(acc) - 1
+    kept = [r | {"commit": "abc1234"} for i, r in enumerate(result["rows"]) if i != last]
+    kept[0]["tau"] = 99.0
+    partial.write_text(json.dumps({"settings": result["settings"], "rows": kept}))
     with pytest.raises(SystemExit, match="add --resume"):  # never overwritten by a fresh run
         run_script("drafters.py", argv)
     assert run_script("drafters.py", argv + ["--resume"]) == 0
     resumed = json.loads(out.with_suffix(".json").read_text())
-    assert resumed["rows"][0] == first and resumed["resumed_rows_from_commits"] == ["abc1234"]
-    assert [(r["drafter"], r["temperature"], r["set"]) for r in resumed["rows"][1:len(acc)]] == [
-        (r["drafter"], r["temperature"], r["set"]) for r in acc[1:]]
-    assert all(r["commit"] != "abc1234" for r in resumed["rows"][1:])
+    assert resumed["rows"][0] == kept[0] and resumed["resumed_rows_from_commits"] == ["abc1234"]
+    assert [(r["drafter"], r["temperature"], r["set"]) for r in resumed["rows"][:len(acc)]] == [
+        (r["drafter"], r["temperature"], r["set"]) for r in acc]
+    assert [r["commit"] == "abc1234" for r in resumed["rows"]] == [i != last for i in range(len(resumed["rows"]))]
     assert "rows measured at abc1234" in out.with_suffix(".md").read_text()
-    partial.write_text(json.dumps({"settings": result["settings"] | {"prompts": 3}, "rows": [first]}))
+    partial.write_text(json.dumps({"settings": result["settings"] | {"prompts": 3}, "rows": kept}))
     with pytest.raises(SystemExit, match="other settings"):
         run_script("drafters.py", argv + ["--resume"])
 
