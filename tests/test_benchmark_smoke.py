@@ -153,6 +153,20 @@ def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
 
 
 @pytest.mark.slow
+def test_forward_split_quick_writes_result(tmp_path):
+    from dspark.target.model import Linear
+
+    real = Linear.forward
+    out = tmp_path / "split"
+    assert run_script("forward_split.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
+    assert Linear.forward is real  # the products are restored
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["dtype"], r["tokens"]) for r in result["rows"]] == [("bf16", 1), ("bf16", 2)]
+    assert all(0 < r["ms_rest"] < r["ms_forward"] and r["torch_calls"] > 100 for r in result["rows"])
+    assert 0 < result["headline"]["rest_share_bf16_b1"] < 1
+
+
+@pytest.mark.slow
 def test_serve_load_quick_loses_nothing(tmp_path):
     out = tmp_path / "load"
     assert run_script("serve_load.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
