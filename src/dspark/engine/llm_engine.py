@@ -155,24 +155,29 @@ class LLMEngine:
         new = self._take_waiting()
         if not new:
             return []
-        first: dict[tuple[int, ...], Request] = {}
+        row: dict[tuple[int, ...], int] = {}  # a prompt -> its row in the prefill batch
+        computed, copies, copy_rows = [], [], []
         for req in new:
-            first.setdefault(tuple(req.prompt_ids), req)
-        computed = list(first.values())
-        new = computed + [r for r in new if first[tuple(r.prompt_ids)] is not r]  # computed prompts in the first slots
+            key = tuple(req.prompt_ids)
+            if key in row:
+                copies.append(req)
+                copy_rows.append(row[key])
+            else:
+                row[key] = len(computed)
+                computed.append(req)
+        new = computed + copies  # the computed prompts take the first slots
         for req in new:
             req.slot = self.cache.allocate()
             req.status, req.admitted_at = Status.RUNNING, time.perf_counter()
             self.running.append(req)
         lens = [len(r.prompt_ids) for r in computed]
-        row = {id(r): i for i, r in enumerate(computed)}
-        source = torch.tensor([row[id(first[tuple(r.prompt_ids)])] for r in new])  # the computed prompt of each request
+        source = torch.tensor([*range(len(computed)), *copy_rows])  # each request's row in the batch
         self.cache.reserve(len(self.running), max(lens) + 1)
         batch = FlatBatch(torch.tensor([t for r in computed for t in r.prompt_ids]),
                           torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot, prefill=True)
         try:
             out = self.target(batch, self.cache)
-            for req, i in zip(new[len(computed):], source[len(computed):].tolist()):
+            for req, i in zip(copies, copy_rows):
                 self.cache.copy_slot(computed[i].slot, req.slot, lens[i])
             logits = self.target.logits(out.hidden[batch.last_index])[source]
             p = warp(logits, *param_tensors([r.params for r in new]))
