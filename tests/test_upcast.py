@@ -9,6 +9,7 @@ import dspark.target.model as target_model
 import dspark.target.upcast as upcast
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch
+from dspark.target.skinny import MAX_ROWS
 from dspark.target.upcast import CHUNK, upcast_linear
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 9, 17, 44, 130)
@@ -65,7 +66,8 @@ def test_the_target_takes_the_float32_path_for_a_prefill_or_many_rows(llm_bf16, 
     target, calls = llm_bf16.engine.target, []
     monkeypatch.setattr(upcast, "upcast_linear", lambda x, w, b: calls.append(len(x)) or F.linear(x, w, b))
     monkeypatch.setattr(target_model, "upcast_linear", upcast.upcast_linear)
-    few, many = list(range(1, upcast.MANY_ROWS)), list(range(1, upcast.MANY_ROWS + 1))
+    # many: beyond skinny.py's few-row kernel too, which decode and verify forwards of few rows take first
+    few, many = list(range(1, upcast.MANY_ROWS)), list(range(1, max(upcast.MANY_ROWS, MAX_ROWS + 1) + 1))
     for tokens, is_prefill, expect in ((few, False, False), (few, True, True), (many, False, True)):
         calls.clear()
         hidden = torch.cat(prefill(target, [tokens], is_prefill))

@@ -14,6 +14,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .onednn import linear
+from .skinny import skinny_linear, takes_skinny
 from .upcast import takes_upcast, upcast_linear
 
 
@@ -58,12 +59,20 @@ class FlatBatch:
         return self.starts + torch.tensor(self.query_lens) - 1
 
 
-class Linear(nn.Linear):
-    """nn.Linear through onednn.py's kernel choice, that can take the float32 path of upcast.py for a many-row
-    product of bf16 weights."""
+def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False):
+    """The kernel of a forward's products over x [..., d]: skinny.py's for few rows outside prefill, upcast.py's
+    float32 path for many rows of bf16 weights where that is faster, else onednn.py's choice. One choice per
+    forward, so that a token's products do not depend on which layer they are in."""
+    if not prefill and takes_skinny(x, weight):
+        return skinny_linear
+    return upcast_linear if takes_upcast(x, prefill) else linear
 
-    def forward(self, x: torch.Tensor, upcast: bool = False) -> torch.Tensor:
-        return (upcast_linear if upcast else linear)(x, self.weight, self.bias)
+
+class Linear(nn.Linear):
+    """nn.Linear through the kernel `product_kernel` chose for the forward (default: onednn.py's choice)."""
+
+    def forward(self, x: torch.Tensor, product=linear) -> torch.Tensor:
+        return product(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -178,16 +187,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch: FlatBatch, cache: KVCache, upcast: bool) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: FlatBatch, cache: KVCache, product) -> torch.Tensor:
         T, H, KVH = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x, upcast).view(T, H + 2 * KVH, self.head_dim)
+        qkv = self.qkv_proj(x, product).view(T, H + 2 * KVH, self.head_dim)
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qkv[:, :H]), self.k_norm(qkv[:, H:H + KVH])), 1)
         else:
             qk = qkv[:, :H + KVH]
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
-        return self.o_proj(cached_attention(self.layer_idx, q, k, v, batch, cache), upcast)
+        return self.o_proj(cached_attention(self.layer_idx, q, k, v, batch, cache), product)
 
 
 class MLP(nn.Module):
@@ -198,9 +207,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(d, 2 * h, bias=bias)  # gate, up stacked
         self.down_proj = Linear(h, d, bias=bias)
 
-    def forward(self, x, upcast: bool = False):
-        gate, up = self.gate_up_proj(x, upcast).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, upcast)
+    def forward(self, x, product=linear):
+        gate, up = self.gate_up_proj(x, product).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, product)
 
 
 class DecoderLayer(nn.Module):
@@ -211,9 +220,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, cache, upcast: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, upcast)
-        return x + self.mlp(self.post_attention_layernorm(x), upcast)
+    def forward(self, x, cos, sin, batch, cache, product=linear):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, product)
+        return x + self.mlp(self.post_attention_layernorm(x), product)
 
 
 @dataclass
@@ -261,10 +270,10 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        upcast = takes_upcast(x, batch.prefill)
+        product = product_kernel(x, self.lm_head.weight, batch.prefill)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, cache, upcast)
+            x = layer(x, cos, sin, batch, cache, product)
             if i in self.capture_layers:
                 captured.append(x)
         features = torch.cat(captured, dim=-1) if captured else None
@@ -272,5 +281,5 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in the model dtype (many bf16 rows through upcast.py's float32 path), returned as float32 [N, V]."""
-        return self.lm_head(hidden, takes_upcast(hidden)).float()
+        """LM head in the model dtype (through `product_kernel`'s choice), returned as float32 [N, V]."""
+        return self.lm_head(hidden, product_kernel(hidden, self.lm_head.weight)).float()

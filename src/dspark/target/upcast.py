@@ -20,7 +20,7 @@ verify forward takes the path by its total row count, so in bf16 a request's log
 with the number of tokens verified beside it (bf16 greedy outputs are reported, not promised, equal; float32
 and CPUs with a bf16 unit never take the path).
 
-Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows): a drafter's q is returned exactly
+Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows; few rows take skinny.py's kernel): a drafter's q is returned exactly
 as it was sampled from, so losslessness never needs it batch-invariant, and every drafting forward has G rows
 per request.
 """
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .onednn import linear
+from .skinny import skinny_linear, takes_skinny
 
 CHUNK = 1024
 MIN_ROWS = 4
@@ -67,7 +68,10 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class ManyRowsLinear(nn.Linear):
-    """nn.Linear whose bf16 products of at least FAST_ROWS rows take the float32 path where that is faster."""
+    """nn.Linear whose inference products of few rows take skinny.py's kernel, and bf16 products of at least
+    FAST_ROWS rows the float32 path where that is faster."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if takes_skinny(x, self.weight):
+            return skinny_linear(x, self.weight, self.bias)
         return (upcast_linear if takes_upcast(x, rows=FAST_ROWS) else linear)(x, self.weight, self.bias)

@@ -1,0 +1,96 @@
+"""Products of few rows (decode and verify forwards) through a small compiled kernel, skinny.cpp.
+
+A decode or verify forward multiplies a handful of rows by every weight of the model, so its products are
+bound by reading the weights. PyTorch's CPU kernels for such products read them at a fraction of the memory's
+speed (see the benchmark numbers in benchmarks/results/engine_speed.md) and round a row differently with the
+number of rows beside it; skinny.cpp streams each weight row once for all rows, accumulates in float32, and
+gives every row the same result whatever else is in the product (tested), so verifying 8 tokens rounds each
+of them as decoding it alone would.
+
+The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
+and loaded with ctypes; it shares PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
+DSPARK_SKINNY=0, it is skipped with one warning and PyTorch's kernels run instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .loading import cache_root
+
+SOURCE = Path(__file__).with_name("skinny.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+MAX_ROWS = 8  # from about 12 rows PyTorch's matrix kernels are faster (see the module docstring)
+DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
+
+
+def cpu_signature() -> str:
+    """The CPU's model and flags (the kernel is built for the CPU it runs on)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def compile_kernel(out: Path) -> None:
+    """Build skinny.cpp into the shared library `out` (atomically: a half-written file is never loaded)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++; set CXX)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                             timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
+        os.replace(built, out)
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (with one warning) where it cannot be built or is off."""
+    if os.environ.get("DSPARK_SKINNY", "1") == "0":
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()
+    path = cache_root() / "kernels" / f"skinny-{key[:16]}.so"
+    try:
+        if not path.exists():
+            compile_kernel(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        warnings.warn(f"dspark: few-row products run on PyTorch's kernels (skinny.cpp not built: {err})",
+                      stacklevel=2)
+        return None
+    for name in DTYPES.values():
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        getattr(lib, name).restype = None
+    return lib
+
+
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [..., K] @ weight.T takes the kernel: at most MAX_ROWS rows of bf16 or float32 on the CPU,
+    the weight's own dtype, no autograd, and the kernel built."""
+    return (x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype and x.dtype in DTYPES and x.is_cpu
+            and not torch.is_grad_enabled() and kernel() is not None)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for few rows, through skinny.cpp (call where `takes_skinny` holds)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k).contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    getattr(kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,69 @@
+"""skinny.py's few-row kernel computes the product (bf16 and float32, with tails and bias); a row's result does
+not depend on the other rows of the product; the target's decode and verify forwards of at most MAX_ROWS rows
+take it (prefills and larger forwards do not); without it (DSPARK_SKINNY=0) PyTorch's kernels run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dspark.target.model as target_model
+import dspark.target.skinny as skinny
+from dspark.target.skinny import MAX_ROWS, kernel, skinny_linear
+from test_upcast import prefill
+
+needs_kernel = pytest.mark.skipif(kernel() is None, reason="skinny.cpp cannot be built on this machine")
+
+# (N, K): K with and without a tail beyond the vector width, N not a multiple of the tile's rows
+SHAPES = [(49, 576), (7, 13), (130, 1536), (1, 40)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_the_kernel_computes_the_product(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        weight, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        for rows in range(1, MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            for b in (None, bias):
+                out = skinny_linear(x, weight, b)
+                exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+                assert out.dtype == dtype and out.shape == (rows, n)
+                assert (out.double() - exact).abs().max() <= tol * exact.abs().max(), (n, k, rows, b is None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_rows_beside_it(dtype):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 1000, generator=g).to(dtype)
+    x = torch.randn(MAX_ROWS, 1000, generator=g).to(dtype)
+    alone = torch.cat([skinny_linear(x[i:i + 1], weight) for i in range(MAX_ROWS)])
+    for rows in range(2, MAX_ROWS + 1):
+        assert torch.equal(skinny_linear(x[:rows], weight), alone[:rows]), rows
+
+
+@needs_kernel
+def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
+    target, calls = llm_bf16.engine.target, []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(target_model, "skinny_linear", lambda x, w, b: calls.append(len(x)) or real(x, w, b))
+    for tokens, is_prefill, expect in ((MAX_ROWS, False, True), (1, False, True), (MAX_ROWS + 1, False, False),
+                                       (3, True, False)):
+        calls.clear()
+        hidden = torch.cat(prefill(target, [list(range(1, tokens + 1))], is_prefill))
+        assert bool(calls) == expect and all(n == tokens for n in calls), (tokens, is_prefill, calls)
+        calls.clear()
+        target.logits(hidden)  # the LM head by its own row count (a prefill's last rows, a verify's rows)
+        assert bool(calls) == (tokens <= MAX_ROWS), (tokens, calls)
+
+
+def test_without_the_kernel_pytorch_runs(monkeypatch, llm_bf16):
+    monkeypatch.setenv("DSPARK_SKINNY", "0")
+    kernel.cache_clear()
+    try:
+        assert kernel() is None
+        x, weight = torch.randn(2, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+        assert not skinny.takes_skinny(x, weight)
+        assert target_model.product_kernel(x, weight) is target_model.linear
+    finally:
+        kernel.cache_clear()
