@@ -1,11 +1,11 @@
 // Few-row products y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for decode and verify forwards (skinny.py).
 //
-// Each thread streams its share of the weight rows once for all rows of x, two weight rows against up to four
-// rows of x at a time, in float32 with fused multiply-adds (AVX2, or AVX-512 where the CPU has it). Every output's
-// sum runs in one order whatever the number of rows (one vector accumulator over k, then the same horizontal sum
-// and scalar tail), so a row's
-// result never depends on the other rows of the product. bf16 values are widened exactly and results rounded
-// to nearest-even, as PyTorch rounds.
+// Each thread streams its share of the weight rows once for all rows of x: a tile is two weight rows (AVX2) or
+// four (AVX-512) against up to four rows of x, in float32 with fused multiply-adds, or with vdpbf16ps on bf16
+// pairs where the CPU has AVX-512 BF16. Every output's sum runs in one order whatever the number of rows (one
+// vector accumulator over k, then the same lane-sum tree, scalar tail and bias), so a row's result never depends
+// on the other rows of the product. bf16 values are widened exactly and results rounded to nearest-even, as
+// PyTorch rounds.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -30,6 +30,15 @@ static inline vec vload(const bf16* p) {
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+// The lane sums of four vectors at once (one tree for all four, the same whichever four they are).
+static inline void vsum4(const vec* v, int stride, float* out) {
+  vec ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[stride]), _mm512_unpackhi_ps(v[0], v[stride]));
+  vec cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * stride], v[3 * stride]),
+                         _mm512_unpackhi_ps(v[2 * stride], v[3 * stride]));
+  vec abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+}
 #else
 typedef __m256 vec;
 static const int LANES = 8;
@@ -68,6 +77,31 @@ static inline void narrow(float v, bf16* p) {
   *p = (bf16)(u >> 16);
 }
 
+// A tile's outputs: the lane sums of its accumulators, then the scalar tail k .. K-1 and the bias, rounded into y.
+template <int NR, int MR, typename X, typename T>
+static inline void finish(vec (&acc)[NR][MR], const X* x, const T* w, const T* b, T* y, int64_t N, int64_t K,
+                          int64_t k, int64_t n, int64_t m) {
+  float sums[NR][MR];
+#if defined(__AVX512F__)
+  if (NR == 4) {
+    for (int j = 0; j < MR; j++) {
+      float four[4];
+      vsum4(&acc[0][j], MR, four);
+      for (int i = 0; i < NR; i++) sums[i][j] = four[i];
+    }
+  } else
+#endif
+    for (int i = 0; i < NR; i++)
+      for (int j = 0; j < MR; j++) sums[i][j] = vsum(acc[i][j]);
+  for (int i = 0; i < NR; i++)
+    for (int j = 0; j < MR; j++) {
+      float s = sums[i][j];
+      for (int64_t t = k; t < K; t++) s += widen(w[(n + i) * K + t]) * widen(x[(m + j) * K + t]);
+      if (b) s += widen(b[n + i]);
+      narrow(s, y + (m + j) * N + n + i);
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // With AVX-512 BF16, bf16 products take 32 products per instruction (vdpbf16ps sums each adjacent pair with the
 // accumulator lane), on the bf16 rows themselves; x is the bf16 input here, not its float32 copy.
@@ -86,13 +120,7 @@ static inline void tile_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* 
       for (int i = 0; i < NR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[i]);
     }
   }
-  for (int i = 0; i < NR; i++)
-    for (int j = 0; j < MR; j++) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
-      for (int64_t t = k; t < K; t++) s += widen(w[(n + i) * K + t]) * widen(x[(m + j) * K + t]);
-      if (b) s += widen(b[n + i]);
-      narrow(s, y + (m + j) * N + n + i);
-    }
+  finish<NR, MR>(acc, x, w, b, y, N, K, k, n, m);
 }
 #endif
 
@@ -111,13 +139,7 @@ static inline void tile(const float* xf, const T* w, const T* b, T* y, int64_t N
       for (int i = 0; i < NR; i++) acc[i][j] = vfma(wv[i], xv, acc[i][j]);
     }
   }
-  for (int i = 0; i < NR; i++)
-    for (int j = 0; j < MR; j++) {
-      float s = vsum(acc[i][j]);
-      for (int64_t t = k; t < K; t++) s += widen(w[(n + i) * K + t]) * xf[(m + j) * K + t];
-      if (b) s += widen(b[n + i]);
-      narrow(s, y + (m + j) * N + n + i);
-    }
+  finish<NR, MR>(acc, xf, w, b, y, N, K, k, n, m);
 }
 
 // One tile: bf16 on AVX-512 BF16 multiplies the bf16 rows x; otherwise the float32 rows xf.

@@ -6,10 +6,10 @@ against 4 rows of input per tile on AVX-512, bf16 pairs through vdpbf16ps where 
 accumulates in float32, and gives every row the same result whatever else is in the product (tested), so
 verifying 8 tokens rounds each of them as decoding it alone would. Measured on a 2-core Zen 5 EPYC VM with
 AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off interleaved,
-medians of 30): 1 token bf16 28.1 -> 20.4 ms (1.38x), fp32 33.8 -> 26.0 ms (1.30x); 4 tokens 1.26x / 1.21x;
-8 tokens 1.07x / 1.01x; 12 tokens 0.97x / 0.88x. Hence MAX_ROWS = 8: beyond it PyTorch's kernels (oneDNN's
-float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's rounding can then
-change with the number of rows in the forward.
+medians of 30): 1 token bf16 34.3 -> 21.1 ms (1.62x), fp32 33.7 -> 24.6 ms (1.37x); 4 tokens 1.46x / 1.21x;
+8 tokens 1.19x / 0.97x; 12 tokens 1.01x / 0.96x; 16 tokens 0.86x / 0.99x. Hence MAX_ROWS = 8: beyond it
+PyTorch's kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a
+row's rounding can then change with the number of rows in the forward.
 
 The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
 and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
