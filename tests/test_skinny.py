@@ -12,34 +12,54 @@ from test_upcast import prefill
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="skinny.cpp cannot be built on this machine")
 
+
+def cpu_has(*flags: str) -> bool:
+    return set(flags) <= set(skinny.cpu_signature().split())
+
+
+# the kernel's code paths: this CPU's own instructions, and the older sets where this CPU runs them
+MARCHES = [pytest.param("native", marks=needs_kernel),
+           pytest.param("haswell", marks=pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="no AVX2")),
+           pytest.param("skylake-avx512", marks=pytest.mark.skipif(
+               not cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl"), reason="no AVX-512"))]
+
+
+def built(march: str):
+    lib = kernel(march)
+    if lib is None:
+        pytest.skip(f"skinny.cpp cannot be built for {march}")
+    return lib
+
 # (N, K): K with and without a tail beyond the vector width, N not a multiple of the tile's rows
 SHAPES = [(49, 576), (7, 13), (130, 1536), (1, 40)]
 
 
-@needs_kernel
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_the_kernel_computes_the_product(dtype, tol):
+def test_the_kernel_computes_the_product(dtype, tol, march):
+    lib = built(march)
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         weight, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
         for rows in range(1, MAX_ROWS + 1):
             x = torch.randn(rows, k, generator=g).to(dtype)
             for b in (None, bias):
-                out = skinny_linear(x, weight, b)
+                out = skinny_linear(x, weight, b, lib)
                 exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
                 assert out.dtype == dtype and out.shape == (rows, n)
                 assert (out.double() - exact).abs().max() <= tol * exact.abs().max(), (n, k, rows, b is None)
 
 
-@needs_kernel
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_does_not_depend_on_the_rows_beside_it(dtype):
+def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
+    lib = built(march)
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(300, 1000, generator=g).to(dtype)
     x = torch.randn(MAX_ROWS, 1000, generator=g).to(dtype)
-    alone = torch.cat([skinny_linear(x[i:i + 1], weight) for i in range(MAX_ROWS)])
+    alone = torch.cat([skinny_linear(x[i:i + 1], weight, None, lib) for i in range(MAX_ROWS)])
     for rows in range(2, MAX_ROWS + 1):
-        assert torch.equal(skinny_linear(x[:rows], weight), alone[:rows]), rows
+        assert torch.equal(skinny_linear(x[:rows], weight, None, lib), alone[:rows]), rows
 
 
 @needs_kernel

@@ -32,7 +32,7 @@ import torch
 from .loading import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 8  # from about 12 rows PyTorch's kernels are faster (see above)
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
@@ -46,15 +46,16 @@ def cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def compile_kernel(out: Path) -> None:
-    """Build skinny.cpp into the shared library `out` (atomically: a half-written file is never loaded)."""
+def compile_kernel(out: Path, march: str) -> None:
+    """Build skinny.cpp for -march=`march` into the shared library `out` (atomically: a half-written file is
+    never loaded)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++; set CXX)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        run = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(built)], capture_output=True, text=True,
                              timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
@@ -62,15 +63,17 @@ def compile_kernel(out: Path) -> None:
 
 
 @functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (with one warning) where it cannot be built or is off."""
+def kernel(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel compiled for -march=`march` (default: this CPU's own instructions), built on first use; None
+    (with one warning) where it cannot be built or is off. Tests build older instruction sets too."""
     if os.environ.get("DSPARK_SKINNY", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + march.encode() +
+                         cpu_signature().encode()).hexdigest()
     path = cache_root() / "kernels" / f"skinny-{key[:16]}.so"
     try:
         if not path.exists():
-            compile_kernel(path)
+            compile_kernel(path, march)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         warnings.warn(f"dspark: few-row products run on PyTorch's kernels (skinny.cpp not built: {err})",
@@ -89,12 +92,14 @@ def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_grad_enabled() and kernel() is not None)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for few rows, through skinny.cpp (call where `takes_skinny` holds)."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for few rows, through skinny.cpp (call where `takes_skinny` holds; `lib`: a
+    kernel built for other instructions than `kernel()`)."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
     weight = weight.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    getattr(kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    getattr(lib or kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
