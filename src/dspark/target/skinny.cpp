@@ -77,6 +77,13 @@ static inline void narrow(float v, bf16* p) {
   *p = (bf16)(u >> 16);
 }
 
+// Asks for the same columns of the next tile's weight rows while this tile multiplies: without it, tiles of
+// several input rows wait on memory (all of SmolLM2's bf16 weights against 8 rows, ad hoc: 16.9 -> 9.3 ms).
+template <int NR, typename T>
+static inline void prefetch_next(const T* w, int64_t K, int64_t n, int64_t k) {
+  for (int i = 0; i < NR; i++) _mm_prefetch((const char*)(w + (n + NR + i) * K + k), _MM_HINT_T0);
+}
+
 // A tile's outputs: the lane sums of its accumulators, then the scalar tail k .. K-1 and the bias, rounded into y.
 template <int NR, int MR, typename X, typename T>
 static inline void finish(vec (&acc)[NR][MR], const X* x, const T* w, const T* b, T* y, int64_t N, int64_t K,
@@ -115,6 +122,7 @@ static inline void tile_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* 
   for (; k + 32 <= K; k += 32) {
     __m512i wv[NR];
     for (int i = 0; i < NR; i++) wv[i] = _mm512_loadu_si512(w + (n + i) * K + k);
+    prefetch_next<NR>(w, K, n, k);
     for (int j = 0; j < MR; j++) {
       __m512i xv = _mm512_loadu_si512(x + (m + j) * K + k);
       for (int i = 0; i < NR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[i]);
@@ -134,6 +142,7 @@ static inline void tile(const float* xf, const T* w, const T* b, T* y, int64_t N
   for (; k + LANES <= K; k += LANES) {
     vec wv[NR];
     for (int i = 0; i < NR; i++) wv[i] = vload(w + (n + i) * K + k);
+    prefetch_next<NR>(w, K, n, k);
     for (int j = 0; j < MR; j++) {
       vec xv = vload(xf + (m + j) * K + k);
       for (int i = 0; i < NR; i++) acc[i][j] = vfma(wv[i], xv, acc[i][j]);

@@ -4,12 +4,14 @@ A decode or verify forward multiplies a handful of rows by every weight of the m
 cost about one read of the weights. skinny.cpp streams each weight row once for all rows (4 rows of weights
 against 4 rows of input per tile on AVX-512, bf16 pairs through vdpbf16ps where the CPU has AVX-512 BF16),
 accumulates in float32, and gives every row the same result whatever else is in the product (tested), so
-verifying 8 tokens rounds each of them as decoding it alone would. Measured on a 2-core Zen 5 EPYC VM with
-AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off interleaved,
-medians of 30): 1 token bf16 34.3 -> 21.1 ms (1.62x), fp32 33.7 -> 24.6 ms (1.37x); 4 tokens 1.46x / 1.21x;
-8 tokens 1.19x / 0.97x; 12 tokens 1.01x / 0.96x; 16 tokens 0.86x / 0.99x. Hence MAX_ROWS = 8: beyond it
-PyTorch's kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a
-row's rounding can then change with the number of rows in the forward.
+verifying 8 tokens rounds each of them as decoding it alone would. Each tile asks for the next tile's weight
+rows ahead (prefetch): without it, products of several rows waited on memory. Measured on a 2-core Zen 5 EPYC
+VM with AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off
+interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.32x), 4 tokens 1.49x, 8 tokens
+28.6 -> 19.5 ms (1.47x), 12 tokens 1.21x, 16 tokens 1.24x; fp32 1 token 29.6 -> 24.8 ms (1.19x), 4 tokens 1.41x,
+8 tokens 41.4 -> 30.1 ms (1.37x), 12 tokens 1.18x, 16 tokens 1.01x. Hence MAX_ROWS = 16: beyond it PyTorch's
+kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's
+rounding can then change with the number of rows in the forward.
 
 The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
 and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
@@ -33,7 +35,7 @@ from .loading import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 8  # from about 12 rows PyTorch's kernels are faster (see above)
+MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
