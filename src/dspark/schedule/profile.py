@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ..engine.llm_engine import LLMEngine
 from ..target.loading import cache_root
+from ..target.skinny import kernel_name
 from ..sampling import SamplingParams, param_tensors, warp
 from ..verify import rejection_sample
 from .cost_table import CostTable
@@ -102,9 +103,9 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
 
 
 def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
-    """The cost table for this engine and machine from ~/.cache/dspark/profiles, profiled (about a minute)
-    and saved there the first time."""
-    digest = hashlib.sha256(repr((*key, machine()["cpu"], PROFILE_VERSION)).encode()).hexdigest()[:16]
+    """The cost table for this engine, machine and product kernel from ~/.cache/dspark/profiles, profiled (about
+    a minute) and saved there the first time."""
+    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), PROFILE_VERSION)).encode()).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
         return CostTable.load(path)

@@ -87,6 +87,13 @@ def kernel(march: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
+def kernel_name() -> str:
+    """Which few-row kernel runs here: the compiled library's file name (source, flags and CPU), or "pytorch"
+    (step-time profiles depend on it)."""
+    lib = kernel()
+    return "pytorch" if lib is None else Path(lib._name).name
+
+
 def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [..., K] @ weight.T takes the kernel: at most MAX_ROWS rows of bf16 or float32 on the CPU,
     the weight's own dtype, no autograd, and the kernel built."""
