@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dspark.target.model as target_model
+import dspark.target.upcast as upcast
 import dspark.target.skinny as skinny
 from dspark.target.skinny import MAX_ROWS, kernel, skinny_linear
 from test_upcast import prefill
@@ -66,7 +66,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
 def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
     target, calls = llm_bf16.engine.target, []
     real = skinny.skinny_linear
-    monkeypatch.setattr(target_model, "skinny_linear", lambda x, w, b: calls.append(len(x)) or real(x, w, b))
+    monkeypatch.setattr(upcast, "skinny_linear", lambda x, w, b: calls.append(len(x)) or real(x, w, b))
     for tokens, is_prefill, expect in ((MAX_ROWS, False, True), (1, False, True), (MAX_ROWS + 1, False, False),
                                        (3, True, False)):
         calls.clear()
@@ -84,6 +84,6 @@ def test_without_the_kernel_pytorch_runs(monkeypatch, llm_bf16):
         assert kernel() is None
         x, weight = torch.randn(2, 64).bfloat16(), torch.randn(5, 64).bfloat16()
         assert not skinny.takes_skinny(x, weight)
-        assert target_model.product_kernel(x, weight) is target_model.linear
+        assert upcast.product_kernel(x, weight) is upcast.linear
     finally:
         kernel.cache_clear()

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dspark.target.model as target_model
 import dspark.target.upcast as upcast
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch
@@ -65,7 +64,6 @@ def test_a_prefill_does_not_depend_on_what_is_admitted_with_it(llm_bf16, chat_pr
 def test_the_target_takes_the_float32_path_for_a_prefill_or_many_rows(llm_bf16, upcast_everywhere, monkeypatch):
     target, calls = llm_bf16.engine.target, []
     monkeypatch.setattr(upcast, "upcast_linear", lambda x, w, b: calls.append(len(x)) or F.linear(x, w, b))
-    monkeypatch.setattr(target_model, "upcast_linear", upcast.upcast_linear)
     # many: beyond skinny.py's few-row kernel too, which decode and verify forwards of few rows take first
     few, many = list(range(1, upcast.MANY_ROWS)), list(range(1, max(upcast.MANY_ROWS, MAX_ROWS + 1) + 1))
     for tokens, is_prefill, expect in ((few, False, False), (few, True, True), (many, False, True)):

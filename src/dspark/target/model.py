@@ -14,8 +14,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .onednn import linear
-from .skinny import skinny_linear, takes_skinny
-from .upcast import takes_upcast, upcast_linear
+from .upcast import product_kernel
 
 
 @dataclass
@@ -59,17 +58,8 @@ class FlatBatch:
         return self.starts + torch.tensor(self.query_lens) - 1
 
 
-def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False):
-    """The kernel of a forward's products over x [..., d]: skinny.py's for few rows outside prefill, upcast.py's
-    float32 path for many rows of bf16 weights where that is faster, else onednn.py's choice. One choice per
-    forward, so that a token's products do not depend on which layer they are in."""
-    if not prefill and takes_skinny(x, weight):
-        return skinny_linear
-    return upcast_linear if takes_upcast(x, prefill) else linear
-
-
 class Linear(nn.Linear):
-    """nn.Linear through the kernel `product_kernel` chose for the forward (default: onednn.py's choice)."""
+    """nn.Linear through the kernel upcast.product_kernel chose for the forward (default: onednn.py's choice)."""
 
     def forward(self, x: torch.Tensor, product=linear) -> torch.Tensor:
         return product(x, self.weight, self.bias)

@@ -49,7 +49,7 @@ class Q4Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor, product=None) -> torch.Tensor:
-        """The forward's product kernel (model.product_kernel) is ignored: the int4 kernel serves every row count."""
+        """The forward's product kernel (upcast.product_kernel) is ignored: the int4 kernel serves every row count."""
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
                                                        self.packed, GROUP, self.scale_zero)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -57,8 +57,8 @@ def compile_kernel(out: Path, march: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        run = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                             timeout=300)
+        command = [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(built)]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
         os.replace(built, out)
@@ -109,6 +109,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.reshape(-1, k).contiguous()
     weight = weight.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    getattr(lib or kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    getattr(lib or kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(),
+                                              rows.shape[0], n, k, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)

@@ -20,9 +20,12 @@ verify forward takes the path by its total row count, so in bf16 a request's log
 with the number of tokens verified beside it (bf16 greedy outputs are reported, not promised, equal; float32
 and CPUs with a bf16 unit never take the path).
 
-Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows; few rows take skinny.py's kernel): a drafter's q is returned exactly
+Drafters take the path by row count (`ManyRowsLinear`, from FAST_ROWS rows): a drafter's q is returned exactly
 as it was sampled from, so losslessness never needs it batch-invariant, and every drafting forward has G rows
 per request.
+
+`product_kernel` makes the one choice among the three kernels (skinny.py's for few rows, this path, onednn.py's)
+for the target's forwards and the drafters' products alike.
 """
 from __future__ import annotations
 
@@ -67,11 +70,17 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False, rows: int | None = None):
+    """The kernel of products over x [..., d]: skinny.py's for few rows outside prefill, this module's float32
+    path for a prefill or at least `rows` rows (default MANY_ROWS) of bf16 weights where that is faster, else
+    onednn.py's choice. The target chooses once per forward, so a token's products do not depend on the layer."""
+    if not prefill and takes_skinny(x, weight):
+        return skinny_linear
+    return upcast_linear if takes_upcast(x, prefill, rows) else linear
+
+
 class ManyRowsLinear(nn.Linear):
-    """nn.Linear whose inference products of few rows take skinny.py's kernel, and bf16 products of at least
-    FAST_ROWS rows the float32 path where that is faster."""
+    """nn.Linear through `product_kernel`, taking the float32 path from FAST_ROWS rows."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if takes_skinny(x, self.weight):
-            return skinny_linear(x, self.weight, self.bias)
-        return (upcast_linear if takes_upcast(x, rows=FAST_ROWS) else linear)(x, self.weight, self.bias)
+        return product_kernel(x, self.weight, rows=FAST_ROWS)(x, self.weight, self.bias)
