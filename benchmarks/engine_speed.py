@@ -67,7 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--verify-requests", help=f"R for (c), one token each [{FULL['verify_requests']}]")
     p.add_argument("--verify-context", type=int, help="cached tokens before the "
                    f"verified ones [{FULL['verify_context']}]")
-    p.add_argument("--verify-timings", type=int, help=f"timed forwards per point of (c) [{FULL['verify_timings']}]")
+    p.add_argument("--verify-timings", type=int,
+                   help=f"timed rounds of (c), each timing every point once [{FULL['verify_timings']}]")
     p.add_argument("--threads", type=int, default=2, help="torch (and llama.cpp) threads [%(default)s]")
     p.add_argument("--no-llamacpp", action="store_true", help="skip (d) even when llama-cpp-python is installed")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="folder of eval_*.jsonl [../shared/data]")
@@ -252,7 +253,8 @@ def markdown(result: dict) -> str:
              markdown_table(speed, ["dtype", "system", "concurrency", "tokens_per_s", "range",
                                     "per_request_tokens_per_s", "ms_per_token", "acceptance_length",
                                     "greedy_agreement"]),
-             f"\n## Verify step time (ms, median of {s['verify_timings']}; {s['verify_context']} cached tokens)\n",
+             f"\n## Verify step time (ms, median of {s['verify_timings']} round-robin rounds; "
+             f"{s['verify_context']} cached tokens)\n",
              markdown_table(list(steps.values()), ["curve", "requests", "tokens"] + [f"ms {d}" for d in s["dtype"]]),
              "\n## Headline\n",
              markdown_table(headline_table(result["headline"], s["dtype"]), ["figure", *s["dtype"], "any dtype"]),

@@ -58,14 +58,23 @@ class VerifyBench:
 def step_time_curve(model: TargetModel, context: list[int], query_sizes: list[int], request_counts: list[int],
                     timings: int, progress=print) -> list[dict]:
     """Rows {curve, requests, tokens, ms (median), ms_min, ms_max, ms_per_token}: one request verifying B tokens
-    for B in query_sizes, then R requests of one token for R in request_counts."""
+    for B in query_sizes, then R requests of one token for R in request_counts. The shapes are timed round-robin
+    (each of `timings` rounds times every shape once, after one untimed warm-up round), so a machine whose speed
+    drifts over the minutes of the curve shifts every point alike instead of tilting the curve."""
     bench = VerifyBench(model, context, max(request_counts, default=1), max(query_sizes, default=1))
     shapes = [("one_request", [b]) for b in query_sizes] + [("many_requests", [1] * r) for r in request_counts]
+    times: list[list[float]] = [[] for _ in shapes]
+    for round_ in range(1 + timings):
+        for i, (_, lens) in enumerate(shapes):
+            t = bench.time(lens, 1, warmup=1 if round_ == 0 else 0)
+            if round_:
+                times[i] += t
+        if round_:
+            progress(f"  verify curve: round {round_}/{timings}")
     rows = []
-    for curve, lens in shapes:
-        times = bench.time(lens, timings)
-        ms = 1e3 * statistics.median(times)
-        rows.append({"curve": curve, "requests": len(lens), "tokens": sum(lens), "ms": ms, "ms_min": 1e3 * min(times),
-                     "ms_max": 1e3 * max(times), "ms_per_token": ms / sum(lens), "timings": timings})
+    for (curve, lens), t in zip(shapes, times):
+        ms = 1e3 * statistics.median(t)
+        rows.append({"curve": curve, "requests": len(lens), "tokens": sum(lens), "ms": ms, "ms_min": 1e3 * min(t),
+                     "ms_max": 1e3 * max(t), "ms_per_token": ms / sum(lens), "timings": timings})
         progress(f"  verify R={len(lens):3d} B={sum(lens):4d}: {ms:7.2f} ms")
     return rows

@@ -303,3 +303,17 @@ def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_targ
     assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "full"), "--with-frozen",
                  "--target", str(tiny_target_dir)]) == 0
     assert "lm_head.weight" in load_file(tmp_path / "full" / "model.safetensors")
+
+
+def test_train_command_with_bf16_autocast(tiny_target_dir, train_data, tmp_path, capsys):
+    """`dspark train --autocast-bf16 1` trains (the switch reaches torch.autocast as a bool) and records the
+    setting; a value other than 0 or 1 is refused by the parser."""
+    from dspark.cli import main
+
+    argv = ["train", "--data", str(train_data), "--target", str(tiny_target_dir), "--num-layers", "1",
+            "--markov-rank", "8", "--num-anchors", "4", "--max-len", "64", "--steps", "2", "--eval-sequences", "2"]
+    assert main([*argv, "--out", str(tmp_path / "run"), "--autocast-bf16", "1"]) == 0
+    assert torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)["config"]["autocast_bf16"] is True
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path / "bad"), "--autocast-bf16", "yes"])
+    assert "expected 0 or 1" in capsys.readouterr().err

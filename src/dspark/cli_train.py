@@ -1,6 +1,7 @@
 """Command line, training side: `dspark regenerate`, `dspark features`, `dspark train`, `dspark export`."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from .cli import add_engine_args, llm_from_args
@@ -110,6 +111,13 @@ def cmd_train(args) -> int:
     return 0
 
 
+def switch(text: str) -> bool:
+    """A 0/1 command-line switch as a bool (torch.autocast and the saved settings want a bool, not an int)."""
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"expected 0 or 1, got {text!r}")
+    return text == "1"
+
+
 def add_train_parser(sub):
     from dataclasses import MISSING, fields
 
@@ -125,7 +133,7 @@ def add_train_parser(sub):
         if f.name not in TRAIN_HELP:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "bool": int, "float | None": float}.get(str(f.type), str)
+        kind = {"int": int, "float": float, "bool": switch, "float | None": float}.get(str(f.type), str)
         if f.default is MISSING:
             tr.add_argument(flag, required=True, help=TRAIN_HELP[f.name])
         else:
