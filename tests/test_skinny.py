@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import dspark.target.upcast as upcast
 import dspark.target.skinny as skinny
-from dspark.target.skinny import MAX_ROWS, kernel, skinny_linear
+from dspark.target.skinny import AMX_ROWS, MAX_ROWS, kernel, skinny_linear
 from test_upcast import prefill
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="skinny.cpp cannot be built on this machine")
@@ -17,11 +17,14 @@ def cpu_has(*flags: str) -> bool:
     return set(flags) <= set(skinny.cpu_signature().split())
 
 
-# the kernel's code paths: this CPU's own instructions, and the older sets where this CPU runs them
+# the kernel's code paths: this CPU's own instructions (AMX tiles where it has them), and the older sets where
+# this CPU runs them
 MARCHES = [pytest.param("native", marks=needs_kernel),
            pytest.param("haswell", marks=pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="no AVX2")),
            pytest.param("skylake-avx512", marks=pytest.mark.skipif(
-               not cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl"), reason="no AVX-512"))]
+               not cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl"), reason="no AVX-512")),
+           pytest.param("cooperlake", marks=pytest.mark.skipif(  # AVX-512 BF16 without AMX's tiles
+               not cpu_has("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"), reason="no AVX-512 BF16"))]
 
 
 def built(march: str):
@@ -58,8 +61,27 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
     weight = torch.randn(300, 1000, generator=g).to(dtype)
     x = torch.randn(MAX_ROWS, 1000, generator=g).to(dtype)
     alone = torch.cat([skinny_linear(x[i:i + 1], weight, None, lib) for i in range(MAX_ROWS)])
+    full = skinny_linear(x, weight, None, lib)  # on AMX's tiles where this build has them
     for rows in range(2, MAX_ROWS + 1):
-        assert torch.equal(skinny_linear(x[:rows], weight, None, lib), alone[:rows]), rows
+        same = full if tiles(march, dtype) and rows >= AMX_ROWS else alone
+        assert torch.equal(skinny_linear(x[:rows], weight, None, lib), same[:rows]), rows
+
+
+def tiles(march: str, dtype) -> bool:
+    """Whether bf16 products of AMX_ROWS..MAX_ROWS rows run on AMX's tiles in this build."""
+    return march == "native" and dtype == torch.bfloat16 and cpu_has("amx_tile", "amx_bf16")
+
+
+@pytest.mark.skipif(not cpu_has("amx_tile", "amx_bf16", "avx512_bf16"), reason="no AMX")
+def test_amx_tiles_take_the_products_of_6_to_16_bf16_rows():
+    # a sum whose result shows its order: vdpbf16ps keeps 2^25 and -2^25 in one lane, where they cancel, and the
+    # 30 ones in others (30); AMX's tiles add the ones to 2^25 (lost to rounding) before -2^25 arrives
+    x = torch.zeros(64)
+    x[0], x[2:32], x[32] = 2.0**25, 1.0, -(2.0**25)
+    weight = torch.ones(32, 64).bfloat16()  # one whole block of weight rows
+    for rows in range(1, MAX_ROWS + 1):
+        out = skinny_linear(x.repeat(rows, 1).bfloat16(), weight, None, built("native"))
+        assert bool((out == 30).all()) == (rows < AMX_ROWS), (rows, out[0, 0].item())
 
 
 @needs_kernel

@@ -4,7 +4,7 @@ A decode or verify forward multiplies a handful of rows by every weight of the m
 cost about one read of the weights. skinny.cpp streams each weight row once for all rows (4 rows of weights
 against 4 rows of input per tile on AVX-512, bf16 pairs through vdpbf16ps where the CPU has AVX-512 BF16),
 accumulates in float32, and gives every row the same result whatever else is in the product (tested), so
-verifying 8 tokens rounds each of them as decoding it alone would. Each tile asks for the next tile's weight
+verifying 8 tokens rounds each of them as decoding it alone would (on CPUs with AMX: see below). Each tile asks for the next tile's weight
 rows ahead (prefetch): without it, products of several rows waited on memory. Measured on a 2-core Zen 5 EPYC
 VM with AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off
 interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.32x), 4 tokens 1.49x, 8 tokens
@@ -12,6 +12,13 @@ interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.
 8 tokens 41.4 -> 30.1 ms (1.37x), 12 tokens 1.18x, 16 tokens 1.01x. Hence MAX_ROWS = 16: beyond it PyTorch's
 kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's
 rounding can then change with the number of rows in the forward.
+
+On Intel CPUs with AMX, bf16 products of AMX_ROWS (6) to 16 rows run on the tile unit instead, whose cost hardly
+grows with the rows: on a 2-core Xeon with AMX (ad hoc, one verify forward after 200 cached tokens, the two
+builds interleaved, medians of 16), vdpbf16ps -> tiles from 6 rows: 7 tokens 30.5 -> 29.3 ms, 8 tokens 32.0 ->
+29.1 ms, 16 tokens 49.5 -> 35.2 ms; with tiles for every row count, 1 token went 20.0 -> 24.7 ms, hence the
+threshold. A row then rounds alike within 1-5 rows and within 6-16 rows, so on those CPUs a bf16 verify row may
+differ in its last bit from decoding the token alone (float32 never takes the tiles).
 
 The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
 and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
@@ -36,6 +43,7 @@ from .loading import cache_root
 SOURCE = Path(__file__).with_name("skinny.cpp")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
+AMX_ROWS = 6  # skinny.cpp's AMX_MIN_ROWS: from it, bf16 products take AMX's tiles where the CPU has them
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
