@@ -14,8 +14,9 @@ products (plain decoding of one request) stay in bf16, where they are fastest. W
 output rows at a time: no float32 copy of the model is kept.
 
 Batch invariance: a prefill row's result must not depend on which other rows share the product, or a
-request's output would depend on what else was admitted with it. Float32 products of fewer than MIN_ROWS rows
-take a different kernel whose rounding differs, so smaller inputs are padded to MIN_ROWS rows (tested). A
+request's output would depend on what else was admitted with it. oneDNN's float32 products of few rows take a
+different kernel whose rounding differs (on the AMD EPYCs, AVX2 and Zen 5, padding to 4 rows sufficed; an
+AVX-512 Intel Xeon changes kernel at 16 rows), so smaller inputs are padded to MIN_ROWS rows (tested). A
 verify forward takes the path by its total row count, so in bf16 a request's logits may move in the last bit
 with the number of tokens verified beside it (bf16 greedy outputs are reported, not promised, equal; float32
 and CPUs with a bf16 unit never take the path).
@@ -36,7 +37,7 @@ from .onednn import linear
 from .skinny import skinny_linear, takes_skinny
 
 CHUNK = 1024
-MIN_ROWS = 4
+MIN_ROWS = 16
 MANY_ROWS = 7  # target verify forwards and LM heads (see above)
 FAST_ROWS = 16
 
