@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the `benchmarks` package 
 
 from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, finish, RESULTS_DIR, Log, markdown_table, Partial,  # noqa: E402
                                result_header, result_preamble, run_interleaved)
-from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
+from benchmarks.peers import DsparkPeer, LlamaCppPeer, llama_cpp_problem  # noqa: E402
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.schedule import FixedLength  # noqa: E402
@@ -129,14 +129,18 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
     if "dspark" in llms:  # what `dspark generate` runs by default: DSpark under the asynchronous scheduler
         llms = llms | {"dspark-async": plain.sibling(args.drafter_dirs["dspark"], "async", gamma=7, max_num_seqs=1)}
-    names = ["plain", *llms] + (["llama.cpp"] if not args.no_llama_cpp and llama_cpp_available() else [])
+    problem = None if args.no_llama_cpp else llama_cpp_problem()
+    if problem:
+        log(f"speed: llama.cpp left out: {problem}")
+    with_llama_cpp = not args.no_llama_cpp and not problem
+    names = ["plain", *llms] + (["llama.cpp"] if with_llama_cpp else [])
     if done := partial.group("system", names, section="speed"):
         log(f"speed: {len(done)} systems from {partial.path.name}")
         return done
     texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
     prompts = [plain.chat_prompt(t) for t in texts]
     peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]
-    if not args.no_llama_cpp and llama_cpp_available():
+    if with_llama_cpp:
         peers.append(LlamaCppPeer(bundled_gguf(), args.threads, n_ctx=4096))
     for peer in peers:  # warm-up
         peer.generate([prompts[0]], 8)

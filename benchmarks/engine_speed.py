@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: make the `benchmarks` package 
 from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, cycle, fmt, load_prompts,  # noqa: E402
                                markdown_table, result_header, result_preamble, run_interleaved, spread,
                                write_result)
-from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_cpp_available,  # noqa: E402
+from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_cpp_problem,  # noqa: E402
                               load_transformers)
 from benchmarks.step_time import step_time_curve  # noqa: E402
 from dspark import LLM  # noqa: E402
@@ -275,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     llama = None
     if args.no_llamacpp:
         notes.append("llama.cpp skipped (--no-llamacpp).")
-    elif not llama_cpp_available():
-        notes.append("llama.cpp skipped: llama-cpp-python is not installed (optional: "
-                     "pip install llama-cpp-python==0.3.36).")
+    elif problem := llama_cpp_problem():
+        notes.append(f"llama.cpp skipped: {problem}.")
     else:
         import llama_cpp
 

@@ -3,11 +3,15 @@ token ids and return the new ids. dspark (LLM), transformers `generate` (left-pa
 prompt lookup) and llama.cpp (llama-cpp-python, batch 1, optional)."""
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from dspark import SamplingParams
+from dspark.target.loading import bundled_gguf
 
 
 def check_lengths(system: str, outputs: list[list[int]], n: int) -> list[list[int]]:
@@ -69,12 +73,28 @@ class TransformersPeer:
         return check_lengths(self.name, out[:, enc["input_ids"].shape[1]:].tolist(), n)
 
 
-def llama_cpp_available() -> bool:
+PROBE = """import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_threads=1, n_ctx=64, verbose=False)
+assert llm.create_completion("Hello", max_tokens=2, temperature=0)["choices"]
+"""
+
+
+@functools.cache
+def llama_cpp_problem() -> str | None:
+    """Why llama.cpp cannot join a benchmark on this machine, or None where it can: llama-cpp-python is not
+    installed, or a two-token decode of the bundled GGUF failed in a child process (ggml's AMX backend
+    segfaulted at the first decode on an Intel Xeon with AMX; the README gives a build without it)."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "llama-cpp-python is not installed (optional: pip install llama-cpp-python==0.3.36)"
+    gguf = bundled_gguf()
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(gguf)], capture_output=True, text=True, timeout=300)
+    if probe.returncode:
+        return (f"a test decode of {gguf.name} failed in a child process (exit {probe.returncode}; on an Intel "
+                f"Xeon with AMX, build llama-cpp-python without ggml's AMX backend as the README says)")
+    return None
 
 
 class LlamaCppPeer:
