@@ -73,7 +73,7 @@ def tiles(march: str, dtype) -> bool:
 
 
 @pytest.mark.skipif(not cpu_has("amx_tile", "amx_bf16", "avx512_bf16"), reason="no AMX")
-def test_amx_tiles_take_the_products_of_6_to_16_bf16_rows():
+def test_amx_tiles_take_the_products_of_3_to_16_bf16_rows():
     # a sum whose result shows its order: vdpbf16ps keeps 2^25 and -2^25 in one lane, where they cancel, and the
     # 30 ones in others (30); AMX's tiles add the ones to 2^25 (lost to rounding) before -2^25 arrives
     x = torch.zeros(64)

@@ -2,10 +2,10 @@
 //
 // Each thread streams its share of the weight rows once for all rows of x: a tile is two weight rows (AVX2) or
 // four (AVX-512) against up to four rows of x, in float32 with fused multiply-adds, or with vdpbf16ps on bf16
-// pairs where the CPU has AVX-512 BF16, or on AMX's tiles for bf16 products of 6 to 16 rows where the CPU has
+// pairs where the CPU has AVX-512 BF16, or on AMX's tiles for bf16 products of 3 to 16 rows where the CPU has
 // them. Every output's sum runs in one order whatever the number of rows (one vector accumulator over k, then the
 // same lane-sum tree, scalar tail and bias), so a row's result never depends on the other rows of the product
-// (on AMX CPUs: within 1-5 and within 6-16 rows). bf16 values are widened exactly and results rounded to
+// (on AMX CPUs: within 1-2 and within 3-16 rows). bf16 values are widened exactly and results rounded to
 // nearest-even, as PyTorch rounds.
 #include <immintrin.h>
 #include <omp.h>
@@ -145,12 +145,15 @@ static inline void tile_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* 
 // output sums its 32-column chunks in order, so within that range its result does not depend on M either.
 // Fewer rows stay on vdpbf16ps, which streams weights from L3 faster: measured on a 2-core Xeon with AMX (ad hoc,
 // SmolLM2-135M, all products of one forward, medians of 13): 1 row 11.2 ms vdpbf16ps / 12.7 ms AMX, 8 rows
-// 19.9 / 14.3 ms; a whole verify forward of 1 token was 4.8 ms slower with AMX, of 7 tokens 1.2 ms faster.
+// 19.9 / 14.3 ms. Whole verify forwards after 200 cached tokens (builds with the tiles from 6, 4, 3, 2 rows
+// interleaved, medians of 80), tiles from 6 -> from 3 rows: 3 tokens 21.0 -> 20.2 ms, 4 tokens 21.9 -> 20.7 ms,
+// 5 tokens 24.4 -> 21.0 ms; from 2 rows, 2 tokens 19.6 -> 19.4 ms (noise is ~0.5 ms); tiles for 1 row too made
+// 1 token 18.0 -> 18.8 ms (medians of 40).
 #include <sys/syscall.h>
 #include <unistd.h>
 
 static const int64_t AMX_ROWS = 32;  // weight rows per block: two 16-row tiles, two accumulators
-static const int64_t AMX_MIN_ROWS = 6;  // fewer rows: vdpbf16ps (see above)
+static const int64_t AMX_MIN_ROWS = 3;  // fewer rows: vdpbf16ps (see above)
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];

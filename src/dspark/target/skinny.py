@@ -13,12 +13,13 @@ interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.
 kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's
 rounding can then change with the number of rows in the forward.
 
-On Intel CPUs with AMX, bf16 products of AMX_ROWS (6) to 16 rows run on the tile unit instead, whose cost hardly
-grows with the rows: on a 2-core Xeon with AMX (ad hoc, one verify forward after 200 cached tokens, the two
-builds interleaved, medians of 16), vdpbf16ps -> tiles from 6 rows: 7 tokens 30.5 -> 29.3 ms, 8 tokens 32.0 ->
-29.1 ms, 16 tokens 49.5 -> 35.2 ms; with tiles for every row count, 1 token went 20.0 -> 24.7 ms, hence the
-threshold. A row then rounds alike within 1-5 rows and within 6-16 rows, so on those CPUs a bf16 verify row may
-differ in its last bit from decoding the token alone (float32 never takes the tiles).
+On Intel CPUs with AMX, bf16 products of AMX_ROWS (3) to 16 rows run on the tile unit instead, whose cost hardly
+grows with the rows: on a 2-core Xeon with AMX (ad hoc, one verify forward after 200 cached tokens, the builds
+interleaved, medians of 16), vdpbf16ps -> tiles: 7 tokens 30.5 -> 29.3 ms, 8 tokens 32.0 -> 29.1 ms, 16 tokens
+49.5 -> 35.2 ms; and (medians of 80) tiles from 6 -> from 3 rows: 3 tokens 21.0 -> 20.2 ms, 5 tokens 24.4 -> 21.0 ms,
+while 2 tokens gain nothing (19.6 -> 19.4 ms, within noise) and 1 token loses (18.0 -> 18.8 ms), hence the
+threshold (skinny.cpp has the figures). A row then rounds alike within 1-2 rows and within 3-16 rows, so on those
+CPUs a bf16 verify row may differ in its last bit from decoding the token alone (float32 never takes the tiles).
 
 The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
 and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
@@ -43,7 +44,7 @@ from .loading import cache_root
 SOURCE = Path(__file__).with_name("skinny.cpp")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
-AMX_ROWS = 6  # skinny.cpp's AMX_MIN_ROWS: from it, bf16 products take AMX's tiles where the CPU has them
+AMX_ROWS = 3  # skinny.cpp's AMX_MIN_ROWS: from it, bf16 products take AMX's tiles where the CPU has them
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
