@@ -98,18 +98,22 @@ class MarkovHead(nn.Module):
     def initial_state(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
         return like.new_zeros(n, self.rank) if self.kind == "rnn" else None
 
-    def forward(self, prev: torch.Tensor, h: torch.Tensor, state):
-        """prev [N] tokens x_{k-1}, h [N, d] -> (bias [N, V], W1[x_{k-1}] [N, r], next state)."""
+    def rank_input(self, prev: torch.Tensor, h: torch.Tensor, state):
+        """prev [N] tokens x_{k-1}, h [N, d] -> (u [N, r] with bias W2 u, W1[x_{k-1}] [N, r], next state)."""
         e = self.markov_w1(prev)
         if self.kind == "vanilla":
-            return self.markov_w2(e), e, None
+            return e, e, None
         if self.kind == "gated":
-            gate = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1)))
-            return self.markov_w2(gate * e), e, None
+            return torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e, e, None
         g, cand, out = self.joint_proj(torch.cat([state, e, h], -1)).chunk(3, -1)
         g = torch.sigmoid(g)
         state = g * state + (1 - g) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), e, state
+        return torch.tanh(out), e, state
+
+    def forward(self, prev: torch.Tensor, h: torch.Tensor, state):
+        """prev [N] tokens x_{k-1}, h [N, d] -> (bias [N, V], W1[x_{k-1}] [N, r], next state)."""
+        u, e, state = self.rank_input(prev, h, state)
+        return self.markov_w2(u), e, state
 
 
 class ConfidenceHead(nn.Module):
@@ -183,11 +187,16 @@ class DSparkModel(FeatureDrafterModel):
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):
         """One sequential step: (Markov bias [N, V] or None, confidence logit [N] or None, next state)."""
-        bias, e = None, None
+        u, conf, state = self.head_inputs(prev, h, state)
+        return (None if u is None else self.markov_head.markov_w2(u).float()), conf, state
+
+    def head_inputs(self, prev: torch.Tensor, h: torch.Tensor, state):
+        """head_step before W2: (the Markov head's u [N, r] or None, confidence logit [N] or None, next state)."""
+        u, e = None, None
         if self.markov_head is not None:
-            bias, e, state = self.markov_head(prev, h, state)
+            u, e, state = self.markov_head.rank_input(prev, h, state)
         conf = self.confidence_head(h, e) if self.confidence_head is not None else None
-        return (None if bias is None else bias.float()), conf, state
+        return u, conf, state
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """[N, γ] block tokens: the anchor then γ-1 mask ids."""

@@ -60,12 +60,16 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     h = h.view(B * N, G, -1)
     U = model.base_logits(h)  # [M, γ, V]
     state = model.markov_head.initial_state(B * N, h) if model.markov_head is not None else None
-    biases, confs = [], []
+    us, confs = [], []
     for k in range(G):
-        bias, c, state = model.head_step(prev[:, k], h[:, k], state)
-        biases.append(bias)
+        u, c, state = model.head_inputs(prev[:, k], h[:, k], state)
+        us.append(u)
         confs.append(c)
-    logits = U if biases[0] is None else U + torch.stack(biases, 1)
+    logits = U
+    if us[0] is not None:  # U + W2 u in one product: no [M, γ, V] bias tensor of its own
+        u = torch.stack(us, 1).flatten(0, 1).float()
+        with torch.autocast("cpu", enabled=False):  # float32 logits, as U + bias was
+            logits = torch.addmm(U.flatten(0, 1), u, model.markov_head.markov_w2.weight.t()).view_as(U)
     conf = torch.stack(confs, 1) if confs[0] is not None else None
     return BlockOutputs(logits, conf, p, labels, anchors.valid.flatten())
 
