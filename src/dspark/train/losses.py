@@ -30,7 +30,7 @@ class RowTerms(torch.autograd.Function):
     """Per row of logits z [N, V]: CE -log q[label] and ‖q - p‖₁ of q = softmax(z), CHUNK rows at a time.
 
     The plain autograd graph of these terms makes about a dozen passes over [N, V] float32 tensors each way
-    (896 rows of 49,152 per step on the default target: a third of a training step); here the forward and the
+    (896 rows of 49,152 per step on the default target); here the forward and the
     backward each read z and p once, chunk by chunk, and the backward writes dz = q ⊙ (g_tv (s - <q, s>) + g_ce)
     - g_ce e_label with s = sign(q - p) (the subgradient 0 where q = p, as autograd's abs)."""
 
