@@ -151,7 +151,7 @@ def test_loss_equals_a_hand_computation():
     labels = torch.randint(V, (M, G), generator=g)
     conf_logits = torch.randn(M, G, generator=g).requires_grad_()
     valid = torch.tensor([True, False, True])
-    parts = dspark_loss(logits, p, labels, conf_logits, valid)
+    parts = dspark_loss(logits, p.log(), labels, conf_logits, valid)  # the target's logits: log p
     want = hand_loss(logits.detach(), p, labels, conf_logits.detach(), valid)
     for name in ("total", "ce", "tv", "conf", "tau"):
         assert getattr(parts, name).item() == pytest.approx(want[name], rel=1e-5), name
@@ -162,13 +162,41 @@ def test_loss_equals_a_hand_computation():
 
 def test_row_terms_backward_equals_the_numerical_gradient():
     """RowTerms' hand-written, chunked backward of CE and ‖q - p‖₁ against finite differences (float64), over
-    more rows than a chunk, with upstream gradients that differ per row and per term."""
+    more rows than a chunk, with upstream gradients that differ per row and per term: q = softmax(U) and,
+    with the Markov head's low-rank bias, q = softmax(U + u W2ᵀ) with the gradients of U, u and W2; p from
+    the target's logits at temperature 1 and 0.7."""
     g = torch.Generator().manual_seed(0)
-    N, V = 2 * CHUNK + 3, 11
-    z = torch.randn(N, V, generator=g, dtype=torch.double).requires_grad_()
-    p = torch.randn(N, V, generator=g, dtype=torch.double).softmax(-1)
+    N, V, r = 2 * CHUNK + 3, 11, 3
+    U = torch.randn(N, V, generator=g, dtype=torch.double).requires_grad_()
+    t = torch.randn(N, V, generator=g, dtype=torch.double)
     labels = torch.randint(V, (N,), generator=g)
-    assert torch.autograd.gradcheck(lambda z: RowTerms.apply(z, p, labels), (z,))
+    assert torch.autograd.gradcheck(lambda U: RowTerms.apply(U, t, labels, 1.0), (U,))
+    u = torch.randn(N, r, generator=g, dtype=torch.double).requires_grad_()
+    w2 = torch.randn(V, r, generator=g, dtype=torch.double).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *x: RowTerms.apply(x[0], t, labels, 0.7, *x[1:]), (U, u, w2))
+
+
+def test_row_terms_from_bf16_logits_match_the_float32_formula():
+    """From bf16 LM-head outputs (as on the default target) the terms equal the float32 formula on the same
+    values: CE and ‖softmax(U + u W2ᵀ) - softmax(t / T)‖₁ and their gradients."""
+    g = torch.Generator().manual_seed(1)
+    N, V, r, T = CHUNK + 5, 300, 4, 0.8
+    U = (torch.randn(N, V, generator=g) * 3).bfloat16().requires_grad_()
+    t = (torch.randn(N, V, generator=g) * 3).bfloat16()
+    u, w2 = (torch.randn(n, r, generator=g).requires_grad_() for n in (N, V))
+    labels = torch.randint(V, (N,), generator=g)
+    gc, gl = torch.rand(N, generator=g), torch.rand(N, generator=g)
+    ce, l1 = RowTerms.apply(U, t, labels, T, u, w2)
+    ((ce * gc).sum() + (l1 * gl).sum()).backward()
+    got = [ce, l1, U.grad.float(), u.grad, w2.grad]
+    for x in (U, u, w2):
+        x.grad = None
+    z = U.float() + u @ w2.t()
+    want_ce = -z.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    want_l1 = (z.softmax(-1) - (t.float() / T).softmax(-1)).abs().sum(-1)
+    ((want_ce * gc).sum() + (want_l1 * gl).sum()).backward()
+    for a, b in zip(got, [want_ce, want_l1, U.grad.float(), u.grad, w2.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ---- trainer --------------------------------------------------------------------------------------

@@ -181,9 +181,10 @@ class DSparkModel(FeatureDrafterModel):
             x = layer(x, cos, sin, attend)
         return self.norm(x)
 
-    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """U [.., V] in float32 (the frozen, shared LM head)."""
-        return self.lm_head(h.to(self.embed_tokens.weight.dtype)).float()
+    def base_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """U [.., V] of the frozen, shared LM head, in `dtype` (None: the head's own)."""
+        U = self.lm_head(h.to(self.embed_tokens.weight.dtype))
+        return U if dtype is None else U.to(dtype)
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):
         """One sequential step: (Markov bias [N, V] or None, confidence logit [N] or None, next state)."""

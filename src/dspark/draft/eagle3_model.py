@@ -66,9 +66,10 @@ class Eagle3Model(FeatureDrafterModel):
         cos, sin = self.rotary(positions, g.dtype)
         return self.midlayer(self.embed_tokens(tokens).to(self.dtype), g, cos, sin, attend)
 
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] in float32 of the token after the one stepped."""
-        return self.lm_head(self.norm(h).to(self.embed_tokens.weight.dtype)).float()
+    def draft_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits [N, V] of the token after the one stepped, in `dtype` (None: the LM head's own)."""
+        z = self.lm_head(self.norm(h).to(self.embed_tokens.weight.dtype))
+        return z if dtype is None else z.to(dtype)
 
 
 def eagle3_config(target_config: dict, *, block_size: int = 7, num_features: int = 3, mtp: bool = False,

@@ -270,6 +270,8 @@ class TargetModel(nn.Module):
         return TargetOutput(self.norm(x), features)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head in the model dtype (through `product_kernel`'s choice), returned as float32 [N, V]."""
-        return self.lm_head(hidden, product_kernel(hidden, self.lm_head.weight)).float()
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """LM head in the model dtype (through `product_kernel`'s choice), returned [N, V] in `dtype` (None:
+        the model's own)."""
+        z = self.lm_head(hidden, product_kernel(hidden, self.lm_head.weight))
+        return z if dtype is None else z.to(dtype)

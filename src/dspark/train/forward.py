@@ -18,23 +18,38 @@ from .features import SequenceFeatures
 
 @dataclass
 class BlockOutputs:
-    logits: torch.Tensor  # [M, γ, V] logits of q_k (M = B*N blocks)
+    """q_k = softmax(U + u W2ᵀ) and p_k = softmax(t / temperature) of M = B*N blocks, kept as the LM heads
+    wrote them (the loss forms each row in float32 only as it needs it)."""
+    U: torch.Tensor  # [M, γ, V] the drafter's logits before the Markov bias
+    markov: tuple[torch.Tensor, torch.Tensor] | None  # (u [M, γ, r], W2 [V, r]) or None
     conf_logits: torch.Tensor | None  # [M, γ]
-    p: torch.Tensor  # [M, γ, V] target probabilities
+    t: torch.Tensor  # [M, γ, V] the target's logits
     labels: torch.Tensor  # [M, γ]
     valid: torch.Tensor  # [M]
+    temperature: float = 1.0
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """q's logits [M, γ, V] in float32, whole (for inspection)."""
+        z = self.U.float()
+        return z if self.markov is None else z + self.markov[0].float() @ self.markov[1].float().t()
+
+    @property
+    def p(self) -> torch.Tensor:
+        """The target's probabilities [M, γ, V] in float32, whole (for inspection)."""
+        return (self.t.float() / self.temperature).softmax(-1)
 
 
-def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures, anchors: AnchorBatch,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's p_k [M, γ, V] and own tokens x_{a+k} [M, γ] for every block."""
+def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
+                anchors: AnchorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's logits [M, γ, V] (its own dtype) and own tokens x_{a+k} [M, γ] for every block."""
     B, L = tokens.shape
     rows = anchors.rows()
     bidx = torch.arange(B)[:, None, None]
     hidden = feats.hidden[bidx, rows].reshape(-1, feats.hidden.shape[-1])
-    p = (target.logits(hidden) / temperature).softmax(-1).clone()
+    t = target.logits(hidden, dtype=None)
     labels = tokens[bidx, (rows + 1).clamp(max=L - 1)]
-    return p.view(*labels.shape[:2], anchors.block_size, -1).flatten(0, 1), labels.flatten(0, 1)
+    return t.view(*labels.shape[:2], anchors.block_size, -1).flatten(0, 1), labels.flatten(0, 1)
 
 
 def forward_for(model) -> callable:
@@ -49,7 +64,7 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     rows = anchors.rows()  # [B, N, γ] positions a..a+γ-1
     N = rows.shape[1]
     bidx = torch.arange(B)[:, None, None]
-    p, labels = target_side(target, tokens, feats, anchors, temperature)
+    t, labels = target_side(target, tokens, feats, anchors)
     prev = tokens[bidx, rows].reshape(B * N, G)  # x_{a+k-1}; x_a is the anchor
     h_ctx = model.context(feats.features.reshape(B * L, -1))
     ctx_pos = torch.arange(L).repeat(B)
@@ -58,20 +73,16 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     block[..., 0] = tokens[bidx[..., 0], anchors.anchors]
     h = model.backbone(block.flatten(), rows.flatten(), dense_attend(ctx_kv, anchors.mask(L)))
     h = h.view(B * N, G, -1)
-    U = model.base_logits(h)  # [M, γ, V]
+    U = model.base_logits(h, dtype=None)  # [M, γ, V]
     state = model.markov_head.initial_state(B * N, h) if model.markov_head is not None else None
     us, confs = [], []
     for k in range(G):
         u, c, state = model.head_inputs(prev[:, k], h[:, k], state)
         us.append(u)
         confs.append(c)
-    logits = U
-    if us[0] is not None:  # U + W2 u in one product: no [M, γ, V] bias tensor of its own
-        u = torch.stack(us, 1).flatten(0, 1).float()
-        with torch.autocast("cpu", enabled=False):  # float32 logits, as U + bias was
-            logits = torch.addmm(U.flatten(0, 1), u, model.markov_head.markov_w2.weight.t()).view_as(U)
+    markov = (torch.stack(us, 1), model.markov_head.markov_w2.weight) if us[0] is not None else None
     conf = torch.stack(confs, 1) if confs[0] is not None else None
-    return BlockOutputs(logits, conf, p, labels, anchors.valid.flatten())
+    return BlockOutputs(U, markov, conf, t, labels, anchors.valid.flatten(), temperature)
 
 
 def unrolled_attend(ctx_kv: tuple[torch.Tensor, torch.Tensor], ctx_mask: torch.Tensor):
@@ -102,7 +113,7 @@ def eagle3_forward(model: Eagle3Model, target: TargetModel, tokens: torch.Tensor
     B, L = tokens.shape
     rows = anchors.rows()
     bidx = torch.arange(B)[:, None]
-    p, labels = target_side(target, tokens, feats, anchors, temperature)
+    t, labels = target_side(target, tokens, feats, anchors)
     g = model.fuse(feats.features.reshape(B * L, -1)).view(B, L, -1)
     g_prev = torch.cat([g.new_zeros(B, 1, g.shape[-1]), g[:, :-1]], 1)
     (k, v), = model.context_kv(tokens.flatten(), g_prev.flatten(0, 1), torch.arange(L).repeat(B))
@@ -113,5 +124,5 @@ def eagle3_forward(model: Eagle3Model, target: TargetModel, tokens: torch.Tensor
     for step in range(model.block_size):
         pos = rows[..., step]
         h = model.step(tokens[bidx, pos].flatten(), h, pos.flatten(), attend)
-        logits.append(model.draft_logits(h))
-    return BlockOutputs(torch.stack(logits, 1), None, p, labels, anchors.valid.flatten())
+        logits.append(model.draft_logits(h, dtype=None))
+    return BlockOutputs(torch.stack(logits, 1), None, None, t, labels, anchors.valid.flatten(), temperature)

@@ -27,46 +27,73 @@ def position_weights(gamma: int) -> torch.Tensor:
 
 
 class RowTerms(torch.autograd.Function):
-    """Per row of logits z [N, V]: CE -log q[label] and ‖q - p‖₁ of q = softmax(z), CHUNK rows at a time.
+    """Per row n: CE -log q[label] and ‖q - p‖₁, with q = softmax(U + u W2ᵀ) (u W2ᵀ the Markov head's
+    low-rank bias, absent for other drafters) and p = softmax(t / T) from the target's logits t, CHUNK rows
+    at a time.
 
-    The plain autograd graph of these terms makes about a dozen passes over [N, V] float32 tensors each way
-    (896 rows of 49,152 per step on the default target); here the forward and the
-    backward each read z and p once, chunk by chunk, and the backward writes dz = q ⊙ (g_tv (s - <q, s>) + g_ce)
-    - g_ce e_label with s = sign(q - p) (the subgradient 0 where q = p, as autograd's abs)."""
+    U and t arrive in the LM head's dtype (bf16 on the default target) and no [N, V] tensor is made in
+    float32: each chunk's z, q and p are formed, used and dropped in a core's cache. The plain autograd graph
+    made about a dozen passes over [N, V] float32 tensors each way (896 rows of 49,152 per step), most of
+    them writes into freshly allocated memory. The backward recomputes a chunk's q and p and writes
+    dz = q ⊙ (g_tv (s - <q, s>) + g_ce) - g_ce e_label with s = sign(q - p) (the subgradient 0 where q = p,
+    as autograd's abs) into dU, du = dz W2 and dW2 = Σ dzᵀ u."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, p: torch.Tensor, labels: torch.Tensor):
-        ce = z.new_empty(z.shape[0], dtype=torch.promote_types(z.dtype, torch.float32))
-        l1 = torch.empty_like(ce)
-        for i in range(0, z.shape[0], CHUNK):
-            zc, lab = z[i:i + CHUNK].to(ce.dtype), labels[i:i + CHUNK, None]
-            lse = zc.logsumexp(-1, keepdim=True)
-            ce[i:i + CHUNK] = (lse - zc.gather(-1, lab)).squeeze(-1)
-            l1[i:i + CHUNK] = (zc - lse).exp_().sub_(p[i:i + CHUNK]).abs_().sum(-1)
-        ctx.save_for_backward(z, p, labels)
+    def forward(ctx, U, t, labels, temperature: float, u=None, w2=None):
+        with torch.autocast("cpu", enabled=False):  # the chunks in float32 whatever the caller's autocast
+            dtype = torch.promote_types(U.dtype, torch.float32)
+            ce, l1 = (U.new_empty(U.shape[0], dtype=dtype) for _ in range(2))
+            for i in range(0, U.shape[0], CHUNK):
+                z, p = chunk_logits(U, u, w2, i, dtype), chunk_probs(t, temperature, i, dtype)
+                lse = z.logsumexp(-1, keepdim=True)
+                ce[i:i + CHUNK] = (lse - z.gather(-1, labels[i:i + CHUNK, None])).squeeze(-1)
+                l1[i:i + CHUNK] = z.sub_(lse).exp_().sub_(p).abs_().sum(-1)
+        ctx.save_for_backward(U, labels, u, w2)
+        ctx.t, ctx.temperature = t, temperature  # t comes from the frozen target (an inference tensor)
         return ce, l1
 
     @staticmethod
-    def backward(ctx, g_ce: torch.Tensor, g_l1: torch.Tensor):
-        z, p, labels = ctx.saved_tensors
-        grad = torch.empty_like(z)
-        for i in range(0, z.shape[0], CHUNK):
-            q = z[i:i + CHUNK].to(g_ce.dtype).softmax(-1)
-            s = (q - p[i:i + CHUNK]).sign_()
+    def backward(ctx, g_ce, g_l1):
+        U, labels, u, w2 = ctx.saved_tensors
+        dU = torch.empty_like(U)
+        bias_grad = u is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
+        du = torch.zeros_like(u) if bias_grad else None
+        dw2 = torch.zeros_like(w2, dtype=g_ce.dtype) if bias_grad else None
+        for i in range(0, U.shape[0], CHUNK):
+            q = chunk_logits(U, u, w2, i, g_ce.dtype).softmax(-1)
+            s = (q - chunk_probs(ctx.t, ctx.temperature, i, g_ce.dtype)).sign_()
             gc, gl = g_ce[i:i + CHUNK, None], g_l1[i:i + CHUNK, None]
-            gz = q * (gl * (s - (q * s).sum(-1, keepdim=True)) + gc)
+            gz = q.mul_(gl * (s - (q * s).sum(-1, keepdim=True)) + gc)
             gz.scatter_add_(-1, labels[i:i + CHUNK, None], -gc)
-            grad[i:i + CHUNK] = gz
-        return grad, None, None
+            dU[i:i + CHUNK] = gz
+            if bias_grad:
+                du[i:i + CHUNK] = gz @ w2.to(gz.dtype)
+                dw2.addmm_(gz.t(), u[i:i + CHUNK].to(gz.dtype))
+        return dU, None, None, None, du, None if dw2 is None else dw2.to(w2.dtype)
 
 
-def dspark_loss(logits: torch.Tensor, p: torch.Tensor, labels: torch.Tensor, conf_logits: torch.Tensor | None,
-                valid: torch.Tensor) -> LossParts:
-    """logits [M, γ, V] of q; p [M, γ, V] target probabilities; labels [M, γ] the target's own tokens;
-    conf_logits [M, γ] or None; valid [M] blocks that count."""
-    M, G, _ = logits.shape
+def chunk_logits(U, u, w2, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """z = U + u W2ᵀ of rows i..i+CHUNK in `dtype` (a new tensor)."""
+    z = U[i:i + CHUNK].to(dtype, copy=True)
+    return z if u is None else z.addmm_(u[i:i + CHUNK].to(dtype), w2.t().to(dtype))
+
+
+def chunk_probs(t, temperature: float, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """p = softmax(t / T) of rows i..i+CHUNK in `dtype`."""
+    x = t[i:i + CHUNK].to(dtype)
+    return (x if temperature == 1.0 else x / temperature).softmax(-1)
+
+
+def dspark_loss(U: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, conf_logits: torch.Tensor | None,
+                valid: torch.Tensor, temperature: float = 1.0, markov: tuple | None = None) -> LossParts:
+    """U [M, γ, V] the drafter's logits before the Markov bias; t [M, γ, V] the target's logits (p = softmax(t /
+    temperature)); labels [M, γ] the target's own tokens; conf_logits [M, γ] or None; valid [M] blocks that
+    count; markov: (u [M, γ, r], W2 [V, r]) of the bias u W2ᵀ, or None."""
+    M, G, V = U.shape
     w = position_weights(G)
-    ce, l1 = (t.view(M, G) for t in RowTerms.apply(logits.flatten(0, 1), p.flatten(0, 1), labels.flatten()))
+    u, w2 = (markov[0].flatten(0, 1), markov[1]) if markov is not None else (None, None)
+    ce, l1 = (x.view(M, G) for x in RowTerms.apply(U.reshape(M * G, V), t.reshape(M * G, V), labels.flatten(),
+                                                   temperature, u, w2))
     c_star = (1 - 0.5 * l1).detach().clamp(0, 1)
     conf = (F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
             if conf_logits is not None else torch.zeros_like(ce))

@@ -227,7 +227,7 @@ class Trainer:
                                  self.model.block_size, gens)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
             out = forward_for(self.model)(self.model, self.target, tokens, feats, anchors)
-        return dspark_loss(out.logits, out.p, out.labels, out.conf_logits, out.valid)
+        return dspark_loss(out.U, out.t, out.labels, out.conf_logits, out.valid, out.temperature, out.markov)
 
     def train_step(self) -> dict:
         recs = self.batch_records(self.step)

@@ -1,0 +1,130 @@
+"""Seconds per `dspark train` step, per drafter type, at the settings the bundled drafters were trained with
+(drafters/README.md: 2 layers, Markov rank 32, 4 sequences x 32 anchors of block 7, at most 640 tokens, one
+thread, the target in bf16). With --baseline-src, the same steps also run on another checkout's `src`
+folder (for example `git worktree add /tmp/base <commit>`), the two trees alternating round by round in
+fresh processes, so a change's gain is measured side by side on one machine.
+
+Needs the training answers: `python drafters/training_answers.py unpack --out train.jsonl` (and, for the
+settings of the committed drafters, the feature cache of drafters/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Log, markdown_table, result_header, result_preamble  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+
+SETTINGS = dict(num_layers=2, markov_rank=32, init="small", lr=1e-3, warmup=50, batch_size=4, num_anchors=32,
+                max_len=640)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="train.jsonl", help="regenerated training answers (JSONL)")
+    p.add_argument("--feature-cache", default=None, help="folder from `dspark features` (default: online)")
+    p.add_argument("--drafter-types", default="dspark,dflash,eagle3,mtp")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per process, after one untimed")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per tree and drafter type")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline-src", default=None, help="another checkout's src folder to time alongside")
+    p.add_argument("--out", default=str(RESULTS_DIR / "train_step"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one process's timing
+    return p.parse_args(argv)
+
+
+def worker(args) -> None:
+    """Time args.steps steps of one drafter type with the dspark on sys.path; print one JSON line."""
+    import torch
+
+    from dspark.train.trainer import Trainer, TrainConfig
+
+    torch.set_num_threads(args.threads)
+    kind = args.worker
+    extra = {"block_size": 1} if kind == "mtp" else {}
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(data=args.data, out=out, drafter_type=kind, feature_cache=args.feature_cache,
+                          steps=1000, save_every=10**6, eval_every=10**6, **SETTINGS, **extra)
+        trainer = Trainer(cfg)
+        trainer.train_step()
+        seconds, loss = [], None
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = trainer.train_step()["loss"]
+            seconds.append(time.perf_counter() - t0)
+    print(json.dumps({"seconds": seconds, "loss": loss}), flush=True)
+
+
+def run_worker(src: Path, kind: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--data", args.data, "--steps", str(args.steps),
+           "--threads", str(args.threads)] + (["--feature-cache", args.feature_cache] if args.feature_cache else [])
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} on {src} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown(result: dict) -> str:
+    cols = ["drafter", "tree", "s_per_step", "min", "max", "steps", "loss_after"]
+    if result["baseline_src"]:
+        cols.append("baseline_over_this")
+    return (result_preamble(result) + f"\nbaseline: {result['baseline_src'] or 'none'}\n\n"
+            + markdown_table(result["rows"], cols) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    if args.worker:
+        worker(args)
+        return 0
+    if not Path(args.data).is_file():
+        raise SystemExit(f"training answers not found: {args.data} (see --help)")
+    import torch
+
+    torch.set_num_threads(args.threads)  # for the machine block; each worker sets its own
+    log = Log()
+    trees = {"this": REPO_ROOT / "src"}
+    if args.baseline_src:
+        trees["baseline"] = Path(args.baseline_src).resolve()
+        if not (trees["baseline"] / "dspark").is_dir():
+            raise SystemExit(f"--baseline-src must be a src folder holding dspark/: {trees['baseline']}")
+    kinds = args.drafter_types.split(",")
+    times = {(k, t): [] for k in kinds for t in trees}
+    losses = {}
+    for r in range(args.rounds):
+        for kind in kinds:
+            order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+            for tree in order:
+                got = run_worker(trees[tree], kind, args)
+                times[kind, tree] += got["seconds"]
+                losses[kind, tree] = got["loss"]
+                log(f"round {r + 1} {kind} {tree}: median {statistics.median(got['seconds']):.2f} s/step")
+    rows = []
+    for kind in kinds:
+        for tree in trees:
+            s = times[kind, tree]
+            row = {"drafter": kind, "tree": tree, "s_per_step": statistics.median(s), "min": min(s), "max": max(s),
+                   "steps": len(s), "loss_after": losses[kind, tree]}
+            if args.baseline_src:
+                row["baseline_over_this"] = statistics.median(times[kind, "baseline"]) / statistics.median(
+                    times[kind, "this"])
+            rows.append(row)
+    result = {**result_header("train_step", __file__, argv if argv is not None else sys.argv[1:]),
+              "settings": {**SETTINGS, "threads": args.threads, "feature_cache": bool(args.feature_cache)},
+              "baseline_src": str(args.baseline_src or ""), "rows": rows}
+    json_path, md_path = write_result(args.out, result, markdown(result))
+    log(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
