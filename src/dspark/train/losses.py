@@ -32,7 +32,7 @@ class RowTerms(torch.autograd.Function):
     at a time.
 
     U and t arrive in the LM head's dtype (bf16 on the default target) and no [N, V] tensor is made in
-    float32: each chunk's z, q and p are formed, used and dropped in a core's cache. The plain autograd graph
+    float32: each chunk's z, q and p (1.5 MB each) are formed, used and dropped. The plain autograd graph
     made about a dozen passes over [N, V] float32 tensors each way (896 rows of 49,152 per step), most of
     them writes into freshly allocated memory. The backward recomputes a chunk's q and p and writes
     dz = q ⊙ (g_tv (s - <q, s>) + g_ce) - g_ce e_label with s = sign(q - p) (the subgradient 0 where q = p,
