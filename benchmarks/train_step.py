@@ -31,6 +31,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="train.jsonl", help="regenerated training answers (JSONL)")
     p.add_argument("--feature-cache", default=None, help="folder from `dspark features` (default: online)")
+    p.add_argument("--target", default=None, help="target folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--drafter-types", default="dspark,dflash,eagle3,mtp")
     p.add_argument("--steps", type=int, default=4, help="timed steps per process, after one untimed")
     p.add_argument("--rounds", type=int, default=2, help="fresh processes per tree and drafter type")
@@ -51,8 +52,9 @@ def worker(args) -> None:
     kind = args.worker
     extra = {"block_size": 1} if kind == "mtp" else {}
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(data=args.data, out=out, drafter_type=kind, feature_cache=args.feature_cache,
-                          steps=1000, save_every=10**6, eval_every=10**6, **SETTINGS, **extra)
+        cfg = TrainConfig(data=args.data, out=out, target=args.target, drafter_type=kind,
+                          feature_cache=args.feature_cache, steps=1000, save_every=10**6, eval_every=10**6,
+                          **SETTINGS, **extra)
         trainer = Trainer(cfg)
         trainer.train_step()
         seconds, loss = [], None
@@ -65,7 +67,9 @@ def worker(args) -> None:
 
 def run_worker(src: Path, kind: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--data", args.data, "--steps", str(args.steps),
-           "--threads", str(args.threads)] + (["--feature-cache", args.feature_cache] if args.feature_cache else [])
+           "--threads", str(args.threads)]
+    cmd += [x for opt in ("feature_cache", "target") if getattr(args, opt)
+            for x in ("--" + opt.replace("_", "-"), getattr(args, opt))]
     env = {**os.environ, "PYTHONPATH": str(src)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
                     times[kind, "this"])
             rows.append(row)
     result = {**result_header("train_step", __file__, argv if argv is not None else sys.argv[1:]),
-              "settings": {**SETTINGS, "threads": args.threads, "feature_cache": bool(args.feature_cache)},
+              "settings": {**SETTINGS, "threads": args.threads, "feature_cache": bool(args.feature_cache),
+                           "target": args.target or "bundled"},
               "baseline_src": str(args.baseline_src or ""), "rows": rows}
     json_path, md_path = write_result(args.out, result, markdown(result))
     log(f"wrote {json_path} and {md_path}")

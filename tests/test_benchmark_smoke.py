@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_target_dir, write_train_data
+
+__all__ = ["tiny_target_dir"]  # a fixture used here
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT = BENCHMARKS / "engine_speed.py"
@@ -175,3 +178,19 @@ def test_serve_load_quick_loses_nothing(tmp_path):
     assert row["lost_or_corrupted"] == 0 and row["engine_idle_after"] is True
     assert row["greedy_equal_offline"] == 1.0 and row["disconnects"] > 0
     assert result["headline"]["server_over_offline_throughput"] > 0
+
+
+@pytest.mark.slow
+def test_train_step_times_two_trees_side_by_side(tmp_path, tiny_target_dir):
+    """Both trees (here the same src) train the same steps: rows per drafter and tree, equal losses, a ratio."""
+    data = write_train_data(tmp_path / "data.jsonl", [(4 + i % 5, 30 + i) for i in range(24)])
+    out = tmp_path / "steps"
+    src = Path(__file__).resolve().parent.parent / "src"
+    argv = ["--data", str(data), "--target", str(tiny_target_dir), "--drafter-types", "dspark,mtp", "--steps", "1",
+            "--rounds", "1", "--baseline-src", str(src), "--out", str(out)]
+    assert run_script("train_step.py", argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["drafter"], r["tree"]) for r in rows] == [("dspark", "this"), ("dspark", "baseline"), ("mtp", "this"),
+                                                         ("mtp", "baseline")]
+    for this, base in (rows[:2], rows[2:]):
+        assert this["loss_after"] == base["loss_after"] and this["s_per_step"] > 0 and this["baseline_over_this"] > 0
