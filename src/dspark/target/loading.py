@@ -110,6 +110,7 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, 
     from transformers import AutoConfig, AutoTokenizer
 
     from .model import TargetModel, fuse_projections
+    from .groups import hold_groups
     from .q4_1 import quantize_layers
 
     folder = resolve_target(target)
@@ -125,4 +126,5 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, 
     model.eval().requires_grad_(False)
     if q4_1:
         quantize_layers(model)
+    hold_groups(model)  # float32 weights on a GGUF grid: few-row products read the groups (same results)
     return model, tokenizer, folder

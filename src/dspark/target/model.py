@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
+from .groups import Groups
 from .onednn import linear
+from .skinny import skinny_linear
 from .upcast import product_kernel
 
 
@@ -59,9 +61,14 @@ class FlatBatch:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through the kernel upcast.product_kernel chose for the forward (default: onednn.py's choice)."""
+    """nn.Linear through the kernel upcast.product_kernel chose for the forward (default: onednn.py's choice);
+    skinny.py's kernel reads the weight's GGUF groups where it has them (groups.py: the same result)."""
+
+    groups: Groups | None = None
 
     def forward(self, x: torch.Tensor, product=linear) -> torch.Tensor:
+        if product is skinny_linear and self.groups is not None:
+            return self.groups(x, self.bias)
         return product(x, self.weight, self.bias)
 
 

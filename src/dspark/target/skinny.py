@@ -21,6 +21,8 @@ while 2 tokens gain nothing (19.6 -> 19.4 ms, within noise) and 1 token loses (1
 threshold (skinny.cpp has the figures). A row then rounds alike within 1-2 rows and within 3-16 rows, so on those
 CPUs a bf16 verify row may differ in its last bit from decoding the token alone (float32 never takes the tiles).
 
+float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
+
 The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
 and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
 DSPARK_SKINNY=0, it is skipped with one warning and PyTorch's kernels run instead.
