@@ -103,9 +103,11 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
 
 
 def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
-    """The cost table for this engine, machine and product kernel from ~/.cache/dspark/profiles, profiled (about
+    """The cost table for this engine, machine, product kernel and weight groups from ~/.cache/dspark/profiles, profiled (about
     a minute) and saved there the first time."""
-    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), PROFILE_VERSION)).encode()).hexdigest()[:16]
+    groups = sum(getattr(m, "groups", None) is not None for m in engine.target.modules())  # groups.py changes costs
+    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION)).encode()
+                            ).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
         return CostTable.load(path)
