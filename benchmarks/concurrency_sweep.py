@@ -210,6 +210,7 @@ def main(argv=None) -> int:
     result["pareto_png"] = f"{Path(args.out).name}_pareto.png"
     result["cost_table"] = {"verify_sizes": cost.verify_sizes, "verify_seconds": cost.verify_seconds,
                             "draft_sizes": cost.draft_sizes, "draft_seconds": cost.draft_seconds,
+                            "draft_seconds_one": cost.draft_seconds_one, "draft_depth": cost.draft_depth,
                             "staircase": cost.staircase(), "meta": cost.meta}
     result["settings"]["cost_table_verify_seconds"] = cost.verify_seconds  # resume only on the same table
     partial = Partial(args.out, result, args.resume)

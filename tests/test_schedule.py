@@ -21,7 +21,7 @@ from dspark.draft.base import Proposal
 from dspark.draft.dspark import DSparkDrafter
 from dspark.schedule import (AsyncBudgetScheduler, CostTable, FixedLength, PrefixScheduler, Scheduler,
                              ThresholdScheduler, make_scheduler)
-from dspark.schedule.async_budget import global_budget
+from dspark.schedule.async_budget import budget_search, global_budget
 from dspark.schedule.prefix import algorithm1
 from dspark.schedule.survival import expected_tau, prefix_survival, ranked_candidates, top_k_lengths
 from dspark.verify import rejection_sample
@@ -203,7 +203,7 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     proposal = Proposal(torch.zeros(1, 4, dtype=torch.long), None, torch.tensor([4]), torch.full((1, 4), 0.3))
     decisions = []
     for _ in expected:
-        decisions.append(scheduler.skip_drafting(1, 4))
+        decisions.append(scheduler.draft_limit(1, 4) == 0)
         if not decisions[-1]:
             scheduler.plan(proposal)
     assert decisions == expected
@@ -212,8 +212,36 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     best = max((1 + float(a[0, :k].sum())) / cost.step_time(1 + k, 1) for k in range(5))
     assert (best <= 1 / cost.step_time(1, 1, drafted=False)) == expected[2]
     cost.draft_seconds = [0.01]  # drafting pays again: the next step drafts and probing starts over from 3
-    assert not scheduler.skip_drafting(1, 4) and scheduler.wait == 3
-    assert not FixedLength(3).skip_drafting(2, 6) and FixedLength(0).skip_drafting(2, 6)
+    assert scheduler.draft_limit(1, 4) != 0 and scheduler.wait == 3
+    assert FixedLength(3).draft_limit(2, 6) == 3 and FixedLength(0).draft_limit(2, 6) == 0
+
+
+def test_budget_search_costs_the_drafter_at_the_depth_it_needs():
+    old = torch.tensor([[0.9, 0.8], [0.3, 0.1]], dtype=torch.float64)  # ranked 0.9 (r0 j1), 0.8 (j2), 0.3, 0.1
+    deep = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.0, 1.0], [1, 2], [1.2, 1.2], [0.0, 0.0], draft_depth=2)
+    # drafting one position costs nothing, two cost 1.2: Θ_1 = 2.9 / 1 beats Θ_2 = 3.7 / 2.2 and plain 2 / 1
+    assert budget_search(old, 2, 4, deep) == (1, 1, pytest.approx(2.9))
+    assert budget_search(old, 2, 4, deep, sunk=True)[0] == 4  # the block is paid for: verify it all
+    flat = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.0, 1.0], [1, 2], [1.2, 1.2])  # no depth costs: every call 1.2
+    assert budget_search(old, 2, 4, flat) == (0, 0, pytest.approx(2.0))  # at best 4.1 / 2.2 < 2: plain decoding
+    assert deep.draft_time(2, 0) == 0.0 and flat.draft_time(2, 1) == 1.2
+
+
+def test_async_drafts_only_as_deep_as_its_budget_and_probes_the_whole_block():
+    cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.0, 1.0], [1], [1.0], [0.1], draft_depth=4)
+    scheduler = AsyncBudgetScheduler(cost, probe_every=2)
+    full = Proposal(torch.zeros(1, 4, dtype=torch.long), None, torch.tensor([4]),
+                    torch.tensor([[0.9, 0.2, 0.2, 0.2]], dtype=torch.float64))
+    limits = []
+    for _ in range(8):
+        limits.append(scheduler.draft_limit(1, 4))
+        K = 4 if limits[-1] is None else limits[-1]
+        shallow = Proposal(full.tokens[:, :K], None, torch.tensor([K]), full.confidence[:, :K])
+        chosen = scheduler.plan(shallow)
+        assert int(chosen.sum()) == min(scheduler.budget, K)
+    # whole blocks until step N−2 exists, then one position (Θ_1 = 1.9 / 1.1 beats 2.08 / 1.4 and 1 / 1),
+    # and the whole block again after `probe_every` shallow steps
+    assert limits == [None, None, 1, 1, None, 1, 1, None]
 
 
 def test_schedulers_without_confidences_verify_everything():
@@ -285,6 +313,20 @@ def test_engine_is_lossless_under_greedy_with_every_scheduler(tiny_target, tiny_
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_engine_is_lossless_when_the_async_scheduler_drafts_short_of_the_block(tiny_target, tiny_target_dir):
+    prompts = [[5 + i, 9, 33, 100 + i, 7] * (i + 1) for i in range(3)]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 19, 30)]
+    plain = LLM(str(tiny_target_dir), dtype="fp32").generate(prompts, greedy)
+    # one position per request costs almost nothing, the whole block more than a verify step
+    shallow = CostTable([1, 64], [0.02, 0.02], [1, 4], [0.05, 0.05], [0.001, 0.001], draft_depth=BLOCK)
+    drafter = DSparkDrafter(tiny_drafter(tiny_target, "gated", seed=3))
+    llm = LLM(str(tiny_target_dir), drafter=drafter, dtype="fp32", gamma=BLOCK, scheduler="async", cost_table=shallow)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in plain]
+    depths = [max(s.drafted) for s in llm.engine.stats if not s.draft_skipped]
+    assert any(0 < d < BLOCK for d in depths) and BLOCK in depths  # short drafts, and whole-block probes
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_profile_cli_writes_a_cost_table_and_plot(tiny_target, tiny_target_dir, tmp_path):
     from dspark.cli import main
     from dspark.draft.checkpoint import save_drafter
@@ -295,8 +337,8 @@ def test_profile_cli_writes_a_cost_table_and_plot(tiny_target, tiny_target_dir, 
                  str(BLOCK), "--dtype", "fp32", "--max-requests", "4", "--repeats", "1", "--out", str(out)]) == 0
     table = CostTable.load(out)
     assert table.verify_sizes == [*range(1, 17), 20]  # the default sizes up to 4 requests of 1 + γ
-    assert table.draft_sizes == [1, 2, 4]
-    assert all(t > 0 for t in table.verify_seconds + table.draft_seconds)
+    assert table.draft_sizes == [1, 2, 4] and table.draft_depth == BLOCK
+    assert all(t > 0 for t in table.verify_seconds + table.draft_seconds + table.draft_seconds_one)
     assert table.meta["machine"]["threads"] >= 1 and table.meta["dtype"] == "float32" and table.meta["gamma"] == BLOCK
     assert (tmp_path / "cost.png").stat().st_size > 1000
     llm = LLM(str(tiny_target_dir), drafter=str(tmp_path / "drafter"), gamma=BLOCK, dtype="fp32",

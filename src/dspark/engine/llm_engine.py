@@ -113,11 +113,11 @@ class LLMEngine:
         t = time.perf_counter()
         room = self._room(reqs)
         limit = int(room.max())
-        if self.scheduler.max_drafts is not None:  # a fixed length: drafts past it would never be verified
-            limit = min(limit, self.scheduler.max_drafts)
         cap = min(limit, self.drafter.gamma) if self.drafter.gamma else limit  # a drafter may leave gamma unset
         slots = int(room.clamp(max=cap).sum())  # drafts this step could verify
-        st.draft_skipped = self.scheduler.skip_drafting(len(reqs), slots)
+        wanted = self.scheduler.draft_limit(len(reqs), slots)  # drafts past it would never be verified
+        limit = limit if wanted is None else min(limit, wanted)
+        st.draft_skipped = wanted == 0
         proposal = Proposal.empty(len(reqs)) if st.draft_skipped else self.drafter.propose(reqs, limit)  # 1. draft
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
         lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan

@@ -5,11 +5,12 @@ survival, ties to the earlier position. The budget never reads the current draft
 never outranks an earlier one of its request, so no draft's inclusion depends on confidences computed
 from it.
 
-Before the drafter runs, the same search decides whether drafting pays at all: plain decoding saves the
-drafter call, so where no budget's gain covers it (a CPU whose verify cost grows with every token, a
-drafter nearly as costly as the target) the step skips the drafter and verifies nothing. The decision reads
-only earlier steps, like the budget; after `probe_every` skipped steps in a row one step drafts anyway, so the
-survivals stay current. Each probe after which drafting still does not pay doubles the wait before the next
+The budget is chosen before the drafter runs, with the drafter call in each candidate's cost: K = 0 is plain
+decoding (no drafter call), and a budget of K needs at most K positions per request, so the drafter samples
+no deeper (a shallower call is cheaper: its LM head and sequential head run once per position). Where no
+budget's gain covers its cost (a CPU whose verify cost grows with every token, a drafter nearly as costly as
+the target) the step skips the drafter and verifies nothing. The decision reads only earlier steps; after
+`probe_every` skipped steps in a row one step drafts the whole block anyway, so the survivals stay current. Each probe after which drafting still does not pay doubles the wait before the next
 (up to `max_probe_every`), so where the drafter never pays the probes cost almost nothing; the first step where
 drafting pays again resets it.
 
@@ -28,26 +29,30 @@ from .cost_table import CostTable
 from .survival import prefix_survival, top_k_lengths
 
 
-def budget_search(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> tuple[int, float]:
-    """(K, Θ_K): K in 0..slots maximising Θ_K = (R + expected gain of the K best drafts) · SPS(R + K), the
-    gain read off the sorted prefix survivals of an earlier step (stretched to `slots` candidates)."""
-    old = old_survival.flatten().double().sort(descending=True).values
-    if old.numel() == 0 or slots == 0:
-        return 0, R * cost.sps(R, R)
-    idx = (torch.arange(slots) * old.numel()) // slots  # the earlier ranking, stretched to this step's slots
-    gains = torch.cat([old.new_zeros(1), old[idx].cumsum(0)])  # expected gain of the K best, K = 0..slots
-    theta = [(R + float(gains[k])) * cost.sps(R + k, R) for k in range(slots + 1)]
+def budget_search(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable,
+                  sunk: bool = False) -> tuple[int, int, float]:
+    """(K, depth, Θ_K): K in 0..slots maximising Θ_K = (R + expected gain of the K best drafts) · SPS(R + K),
+    the gain read off the prefix survivals of an earlier step, ranked (ties to the earlier position) and
+    stretched to `slots` candidates; depth: the deepest position among the K best, which the drafter must
+    reach. The step time of K includes a drafter call that deep (none for K = 0); sunk: the drafter has
+    already drafted its whole block, so every K pays for all of it."""
+    if old_survival.numel() == 0 or slots == 0:
+        return 0, 0, R * cost.sps(R, R, drafted=sunk)
+    R_old = old_survival.shape[0]
+    flat = old_survival.double().t().flatten()  # position-major, so a stable sort puts earlier positions first
+    values, order = torch.sort(flat, descending=True, stable=True)
+    idx = (torch.arange(slots) * flat.numel()) // slots  # the earlier ranking, stretched to this step's slots
+    gains = torch.cat([values.new_zeros(1), values[idx].cumsum(0)])  # expected gain of the K best, K = 0..slots
+    depths = [0] + (order[idx] // R_old + 1).cummax(0).values.tolist()  # deepest position among the K best
+    theta = [(R + float(gains[k])) * cost.sps(R + k, R, drafted=sunk or k > 0, depth=None if sunk else depths[k])
+             for k in range(slots + 1)]
     k = max(range(slots + 1), key=lambda k: (theta[k], -k))
-    return k, theta[k]
+    return k, depths[k], theta[k]
 
 
 def global_budget(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> int:
-    return budget_search(old_survival, R, slots, cost)[0]
-
-
-def drafting_pays(old_survival: torch.Tensor, R: int, slots: int, cost: CostTable) -> bool:
-    """Whether the best budget (drafter call included) beats plain decoding, which has no drafter call."""
-    return slots > 0 and budget_search(old_survival, R, slots, cost)[1] > R * cost.sps(R, R, drafted=False)
+    """The budget for drafts already made (the drafter's whole block, its cost paid whatever K)."""
+    return budget_search(old_survival, R, slots, cost, sunk=True)[0]
 
 
 class AsyncBudgetScheduler(Scheduler):
@@ -56,22 +61,32 @@ class AsyncBudgetScheduler(Scheduler):
     def __init__(self, cost: CostTable, lag: int = 2, probe_every: int = 32, max_probe_every: int = 512):
         self.cost = cost
         self.history: deque[torch.Tensor] = deque(maxlen=lag)  # prefix survivals of the last drafting steps
-        self.budget: int | None = None
+        self.width = 0  # the widest block drafted so far: shallower survivals are padded with zeros to it
+        self.planned: int | None = None  # the budget chosen before drafting (None: plan chooses it)
+        self.budget: int | None = None  # the budget of the last plan
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.wait = probe_every  # skipped steps before the next probe
-        self.skipped = 0  # steps in a row that skipped the drafter
+        self.wait = probe_every  # steps short of the whole block before the next probe
+        self.shallow = 0  # steps in a row that skipped the drafter or drafted short of the whole block
 
-    def skip_drafting(self, num_requests: int, slots: int) -> bool:
-        if len(self.history) < self.history.maxlen:  # no step N−2 yet: draft
-            skip = False
-        elif drafting_pays(self.history[0], num_requests, slots, self.cost):
-            skip, self.wait = False, self.probe_every
-        elif self.skipped >= self.wait:  # probe
-            skip, self.wait = False, min(2 * self.wait, self.max_probe_every)
-        else:
-            skip = True
-        self.skipped = self.skipped + 1 if skip else 0
-        return skip
+    def draft_limit(self, num_requests: int, slots: int) -> int | None:
+        self.planned = None
+        if len(self.history) < self.history.maxlen:  # no step N−2 yet: draft the whole block, verify it all
+            return None
+        k, depth, _ = budget_search(self.history[0], num_requests, slots, self.cost)
+        if k > 0:
+            self.wait = self.probe_every
+        if depth >= self.width:  # the whole block pays
+            self.shallow = 0
+            self.planned = k
+            return None
+        if self.shallow >= self.wait:  # probe: the whole block, so every position's survival is seen again
+            if k == 0:  # a probe after which drafting still does not pay waits twice as long for the next
+                self.wait = min(2 * self.wait, self.max_probe_every)
+            self.shallow = 0
+            return None
+        self.shallow += 1
+        self.planned = k
+        return depth
 
     def plan(self, proposal: Proposal) -> torch.Tensor:
         if proposal.confidence is None:
@@ -79,12 +94,17 @@ class AsyncBudgetScheduler(Scheduler):
         a = prefix_survival(proposal.confidence, proposal.lengths)
         R = a.shape[0]
         slots = int(proposal.lengths.sum())
-        if len(self.history) == self.history.maxlen:
+        if self.planned is not None:
+            self.budget = self.planned
+        elif len(self.history) == self.history.maxlen:  # the whole block was drafted unplanned (a probe): paid for
             self.budget = global_budget(self.history[0], R, slots, self.cost)
         else:  # no step N−2 yet: verify everything proposed
             self.budget = slots
-        self.history.append(a)
-        return top_k_lengths(a, self.budget)
+        self.planned = None
+        self.width = max(self.width, a.shape[1])
+        self.history.append(torch.nn.functional.pad(a, (0, self.width - a.shape[1])))  # unseen positions: no gain
+        return top_k_lengths(a, min(self.budget, slots))
 
     def observe(self, st) -> None:
-        self.cost.observe(st.verify_tokens, st.num_requests, st.t_total - st.t_prefill, drafted=not st.draft_skipped)
+        self.cost.observe(st.verify_tokens, st.num_requests, st.t_total - st.t_prefill, drafted=not st.draft_skipped,
+                          depth=max(st.drafted, default=0))

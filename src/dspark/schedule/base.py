@@ -14,11 +14,12 @@ class Scheduler:
         """ℓ_r per request, 0 <= ℓ_r <= proposal.lengths[r]."""
         raise NotImplementedError
 
-    def skip_drafting(self, num_requests: int, slots: int) -> bool:
-        """Asked before the drafter runs (so it never reads this step's drafts): True when this step verifies
-        no drafts at all, so the drafter call is skipped and the step is plain decoding. slots: drafts the
-        step could verify (Σ_r min(γ, room_r))."""
-        return self.max_drafts == 0
+    def draft_limit(self, num_requests: int, slots: int) -> int | None:
+        """Asked before the drafter runs (so it never reads this step's drafts): the most drafts any request
+        can verify this step, so the drafter samples no more positions than that; 0 skips the drafter call
+        (a plain decoding step); None: no limit but the drafter's block. slots: drafts the step could verify
+        (Σ_r min(γ, room_r))."""
+        return self.max_drafts
 
     def observe(self, st) -> None:
         """The finished step's statistics (StepStats): measured time, B, R (for online cost correction)."""

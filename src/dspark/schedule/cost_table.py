@@ -1,6 +1,8 @@
 """The SPS(B) cost table (METHOD.md §5): the real time of one engine step as a function of the verify batch
 B = Σ_r (1 + ℓ_r), split as the engine spends it: verify forward plus sampling, a function of B, and the
-next drafter call, a function of the number of requests R.
+next drafter call, a function of the number of requests R and of its depth (the positions it samples per
+request: the backbone drafts the whole block in one forward, the LM head and the sequential head run once
+per position, so a shallower call is cheaper; costed linearly between one position and the whole block).
 
 B is rounded up to the next measured size before costing (as a GPU engine rounds up to a captured graph
 bucket); past the largest size the last slope is extended. Measured step times correct the table online:
@@ -33,7 +35,9 @@ class CostTable:
     verify_sizes: list[int]  # B, ascending
     verify_seconds: list[float]  # verify forward + sampling at each B
     draft_sizes: list[int] = field(default_factory=list)  # R, ascending
-    draft_seconds: list[float] = field(default_factory=list)  # one drafter call for R requests
+    draft_seconds: list[float] = field(default_factory=list)  # one drafter call for R requests, the whole block
+    draft_seconds_one: list[float] = field(default_factory=list)  # the same, sampling one position per request
+    draft_depth: int = 1  # positions per request of draft_seconds (the drafter's γ)
     meta: dict = field(default_factory=dict)  # hardware, dtype, target, drafter, date, command
     correction: list[float] = field(default_factory=list)  # per verify bucket: measured / tabled (online)
     correction_rate: float = 0.05
@@ -43,6 +47,8 @@ class CostTable:
             raise ValueError("a cost table needs verify sizes and their times, one for one")
         if list(self.verify_sizes) != sorted(set(self.verify_sizes)) or list(self.draft_sizes) != sorted(set(self.draft_sizes)):
             raise ValueError("cost table sizes must be strictly ascending")
+        if len(self.draft_seconds) != len(self.draft_sizes) or len(self.draft_seconds_one) not in (0, len(self.draft_sizes)):
+            raise ValueError("a cost table needs one drafter time per drafter size")
         if not self.correction:
             self.correction = [1.0] * len(self.verify_sizes)
 
@@ -53,23 +59,33 @@ class CostTable:
         return cls(sizes, [1.0 / sps[b] for b in sizes], meta=meta)
 
     # ---- costing -------------------------------------------------------------------------------
-    def step_time(self, B: int, R: int = 1, drafted: bool = True) -> float:
-        """Predicted seconds of a step verifying B tokens for R requests (corrected online); drafted=False:
-        a step that skipped the drafter call."""
-        i, verify = _lookup(self.verify_sizes, self.verify_seconds, B)
-        return verify * self.correction[i] + (_lookup(self.draft_sizes, self.draft_seconds, R)[1] if drafted else 0.0)
+    def draft_time(self, R: int, depth: int | None = None) -> float:
+        """Seconds of one drafter call for R requests sampling `depth` positions each (None: the whole block)."""
+        if depth is not None and depth <= 0:
+            return 0.0
+        full = _lookup(self.draft_sizes, self.draft_seconds, R)[1]
+        if depth is None or depth >= self.draft_depth or not self.draft_seconds_one:
+            return full
+        one = _lookup(self.draft_sizes, self.draft_seconds_one, R)[1]
+        return one + (full - one) * (depth - 1) / (self.draft_depth - 1)
 
-    def sps(self, B: int, R: int = 1, drafted: bool = True) -> float:
-        return 1.0 / self.step_time(B, R, drafted)
+    def step_time(self, B: int, R: int = 1, drafted: bool = True, depth: int | None = None) -> float:
+        """Predicted seconds of a step verifying B tokens for R requests (corrected online); drafted=False:
+        a step that skipped the drafter call; depth: positions the drafter sampled per request (None: all)."""
+        i, verify = _lookup(self.verify_sizes, self.verify_seconds, B)
+        return verify * self.correction[i] + (self.draft_time(R, depth) if drafted else 0.0)
+
+    def sps(self, B: int, R: int = 1, drafted: bool = True, depth: int | None = None) -> float:
+        return 1.0 / self.step_time(B, R, drafted, depth)
 
     @property
     def max_size(self) -> int:
         return self.verify_sizes[-1]
 
-    def observe(self, B: int, R: int, seconds: float, drafted: bool = True) -> None:
+    def observe(self, B: int, R: int, seconds: float, drafted: bool = True, depth: int | None = None) -> None:
         """Fold a measured step time into its bucket's running ratio (measured / tabled)."""
         i, verify = _lookup(self.verify_sizes, self.verify_seconds, B)
-        draft = _lookup(self.draft_sizes, self.draft_seconds, R)[1] if drafted else 0.0
+        draft = self.draft_time(R, depth) if drafted else 0.0
         if verify <= 0:
             return
         ratio = max(seconds - draft, 1e-6) / verify

@@ -24,8 +24,8 @@ from ..verify import rejection_sample
 from .cost_table import CostTable
 
 # part of a cached profile's key, raised when step costs change shape (2: bf16 many-row verify in float32;
-# 3: that path from 7 rows)
-PROFILE_VERSION = 3
+# 3: that path from 7 rows; 4: drafter calls one position deep)
+PROFILE_VERSION = 4
 DEFAULT_SIZES = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -68,17 +68,18 @@ def profile_engine(engine: LLMEngine, max_requests: int = 64, context: int = 128
             engine.step()  # every request now has a committed context and a first token
         sizes = [b for b in sizes if b <= max_requests * per_request]
         drafter_counts = sorted({min(max_requests, 2 ** i) for i in range(int(math.log2(max_requests)) + 1)})
-        bar = tqdm(total=len(sizes) + len(drafter_counts), desc="profile", disable=not progress)
+        bar = tqdm(total=len(sizes) + 2 * len(drafter_counts), desc="profile", disable=not progress)
         verify_seconds = []
         for B in sizes:
             R = math.ceil(B / per_request)
             lengths = torch.tensor([per_request - 1] * (B // per_request) + ([B % per_request - 1] if B % per_request else []))
             verify_seconds.append(_median_time(lambda: _verify(engine, reqs[:R], lengths), repeats))
             bar.update()
-        draft_seconds = []
-        for R in drafter_counts:
-            draft_seconds.append(_median_time(lambda: engine.drafter.propose(reqs[:R]), repeats) if gamma else 0.0)
-            bar.update()
+        draft_seconds, draft_seconds_one = [], []  # the whole block, and one position per request
+        for seconds, depth in ((draft_seconds, None), (draft_seconds_one, 1)):
+            for R in drafter_counts:
+                seconds.append(_median_time(lambda: engine.drafter.propose(reqs[:R], depth), repeats) if gamma else 0.0)
+                bar.update()
         bar.close()
     finally:
         for req in reqs:
@@ -87,7 +88,9 @@ def profile_engine(engine: LLMEngine, max_requests: int = 64, context: int = 128
             "target": getattr(engine.target.config, "_name_or_path", "") or engine.target.config.model_type,
             "drafter": type(engine.drafter).__name__, "gamma": gamma, "context": context, "repeats": repeats,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    return CostTable(list(sizes), verify_seconds, drafter_counts if gamma else [], draft_seconds if gamma else [], meta)
+    if not gamma:
+        return CostTable(list(sizes), verify_seconds, meta=meta)
+    return CostTable(list(sizes), verify_seconds, drafter_counts, draft_seconds, draft_seconds_one, gamma, meta=meta)
 
 
 def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
@@ -130,6 +133,9 @@ def plot_cost_table(table: CostTable, path) -> str:
         ax.axvline(b, color="red", lw=0.7, ls=":")
     if table.draft_sizes:
         ax.plot(table.draft_sizes, [1000 * t for t in table.draft_seconds], "s--", ms=3, label="drafter call (x = R)")
+    if table.draft_seconds_one:
+        ax.plot(table.draft_sizes, [1000 * t for t in table.draft_seconds_one], "^:", ms=3,
+                label="drafter call, one position (x = R)")
     m = table.meta
     ax.set_title(f"{m.get('target', '')} {m.get('dtype', '')}, {m.get('machine', {}).get('threads', '?')} threads",
                  fontsize=9)
