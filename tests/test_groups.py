@@ -81,3 +81,26 @@ def test_the_bundled_target_holds_groups_and_its_forwards_are_unchanged(smollm_f
             m.groups = groups
     for a, b in zip(with_groups, dense):
         assert torch.equal(a, b)
+
+
+def test_a_drafters_head_reads_nearest_q8_0_groups_for_few_rows_only(llm_bf16):
+    """A drafter's LM head (any dtype, any grid) in the nearest Q8_0 groups: inference products of up to HEAD_ROWS
+    rows read them (close to the dense product, not equal: the drafter's q is whatever it samples from), more
+    rows and autograd keep the dense weight; the bundled drafter's head gets them at load."""
+    from dspark.draft import make_drafter
+    from dspark.target.groups import HEAD_ROWS, hold_head_groups
+    from dspark.target.upcast import ManyRowsLinear
+
+    head = ManyRowsLinear(64, 300, bias=False).to(torch.bfloat16).requires_grad_(False)
+    assert hold_head_groups(head) and head.groups.kind == "q8_0"
+    x = torch.randn(HEAD_ROWS + 1, 64).to(torch.bfloat16)
+    dense = F.linear(x.float(), head.weight.float())
+    with torch.inference_mode():
+        few = head(x[:HEAD_ROWS])
+        assert torch.equal(few, head.groups(x[:HEAD_ROWS].float()).to(torch.bfloat16))
+        assert not torch.equal(few, F.linear(x[:HEAD_ROWS], head.weight))  # the groups, not the dense weight
+        assert torch.allclose(few.float(), dense[:HEAD_ROWS], rtol=0.05, atol=0.05 * dense.abs().max())
+        assert torch.equal(head(x), F.linear(x, head.weight))  # more rows: the dense product
+    assert torch.equal(head(x[:1]), F.linear(x[:1], head.weight))  # autograd on: dense
+    drafter = make_drafter("default", 7, llm_bf16.engine.target, 512)
+    assert drafter.model.lm_head.groups is not None and drafter.model.lm_head.groups.kind == "q8_0"

@@ -23,6 +23,7 @@ from dspark.schedule import (AsyncBudgetScheduler, CostTable, FixedLength, Prefi
                              ThresholdScheduler, make_scheduler)
 from dspark.schedule.async_budget import budget_search, global_budget
 from dspark.schedule.prefix import algorithm1
+from dspark.schedule.profile import monotone
 from dspark.schedule.survival import expected_tau, prefix_survival, ranked_candidates, top_k_lengths
 from dspark.verify import rejection_sample
 
@@ -268,6 +269,16 @@ def test_cost_table_rounds_up_extrapolates_and_adds_the_drafter():
     assert t.step_time(8, 2) == pytest.approx(2.0 + 0.9)  # R = 2 costs as 4
     assert t.step_time(12, 1) == pytest.approx(2.0 + 0.7 / 4 * 4 + 0.5)  # the last slope extended
     assert t.sps(1, 1) == pytest.approx(1 / 1.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.001, 1.0), min_size=1, max_size=40))
+def test_profiled_verify_times_are_made_monotone_by_pooling(seconds):
+    smooth = monotone(seconds)
+    assert len(smooth) == len(seconds) and all(a <= b + 1e-12 for a, b in zip(smooth, smooth[1:]))
+    assert sum(smooth) == pytest.approx(sum(seconds))  # pooled means keep the total
+    assert monotone(sorted(seconds)) == pytest.approx(sorted(seconds))
+    assert monotone([26.3, 32.3, 37.2, 34.5, 31.6, 28.6, 31.0, 32.0]) == pytest.approx([26.3, 32.3] + [194.9 / 6] * 6)
 
 
 def test_online_correction_heals_a_stale_table():

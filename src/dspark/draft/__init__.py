@@ -46,6 +46,7 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         from .eagle3_model import Eagle3Model
 
         from ..calibrate import load_temperatures
+        from ..target.groups import hold_head_groups
         from ..target.q4_1 import Q4Linear
 
         folder = Path(spec).expanduser()
@@ -53,6 +54,8 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         if target is not None and any(isinstance(m, Q4Linear) for m in target.modules()):
             # a q4_1 target: the drafter's LM head in 4 bits too (a cheaper q, still exactly the q sampled from)
             model.lm_head = Q4Linear(model.lm_head)
+        else:  # few-row heads (short drafts) read 8-bit groups: the same argument
+            hold_head_groups(model.lm_head)
         if isinstance(model, Eagle3Model):
             return Eagle3Drafter(model, max_model_len)
         temps = load_temperatures(folder) if model.confidence_head is not None else None

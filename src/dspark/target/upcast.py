@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .groups import HEAD_ROWS
 from .onednn import linear
 from .skinny import skinny_linear, takes_skinny
 
@@ -81,11 +82,16 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False,
 
 
 class ManyRowsLinear(nn.Linear):
-    """nn.Linear through `product_kernel`, taking the float32 path from FAST_ROWS rows. Inputs are made
+    """nn.Linear through `product_kernel`, taking the float32 path from FAST_ROWS rows; a drafter's LM head with
+    Q8_0 `groups` (groups.py) reads them for inference products of up to HEAD_ROWS rows. Inputs are made
     contiguous first: PyTorch's bf16 F.linear over a strided view (a drafter's first K of γ positions, [R, K, d])
     took a slow path on an AVX-512 BF16 EPYC, 2 threads (ad hoc, the 49,152-row head over 16 x 2 rows): 836 ms
     against 9.4 ms contiguous."""
 
+    groups = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if self.groups is not None and x.numel() <= HEAD_ROWS * x.shape[-1] and not torch.is_grad_enabled():
+            return self.groups(x.float(), None if self.bias is None else self.bias.float()).to(x.dtype)
         return product_kernel(x, self.weight, rows=FAST_ROWS)(x, self.weight, self.bias)
