@@ -10,9 +10,11 @@ decoding (no drafter call), and a budget of K needs at most K positions per requ
 no deeper (a shallower call is cheaper: its LM head and sequential head run once per position). Where no
 budget's gain covers its cost (a CPU whose verify cost grows with every token, a drafter nearly as costly as
 the target) the step skips the drafter and verifies nothing. The decision reads only earlier steps; after
-`probe_every` skipped steps in a row one step drafts the whole block anyway, so the survivals stay current. Each probe after which drafting still does not pay doubles the wait before the next
-(up to `max_probe_every`), so where the drafter never pays the probes cost almost nothing; the first step where
-drafting pays again resets it.
+`probe_every` steps in a row short of the whole block (skipped or shallow) one step drafts the whole block, so
+the survivals of every position stay current (unseen positions count as no gain, so between probes the depth can
+only shrink). Each probe after which drafting still does not pay doubles the wait before the next (up to
+`max_probe_every`), so where the drafter never pays the probes cost almost nothing; the first step where drafting
+pays again resets it.
 
 On a CPU the plan runs between the drafter and the verify forward of the same step; the two-step lag is
 kept all the same, so the scheduler behaves as it would overlapped with the GPU.

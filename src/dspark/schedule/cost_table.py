@@ -66,7 +66,7 @@ class CostTable:
         full = _lookup(self.draft_sizes, self.draft_seconds, R)[1]
         if depth is None or depth >= self.draft_depth or not self.draft_seconds_one:
             return full
-        one = _lookup(self.draft_sizes, self.draft_seconds_one, R)[1]
+        one = min(_lookup(self.draft_sizes, self.draft_seconds_one, R)[1], full)  # a noisy profile may invert them
         return one + (full - one) * (depth - 1) / (self.draft_depth - 1)
 
     def step_time(self, B: int, R: int = 1, drafted: bool = True, depth: int | None = None) -> float:
