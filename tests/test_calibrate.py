@@ -112,7 +112,7 @@ def test_collect_through_the_engine_and_apply_at_load(tiny_target, tiny_target_d
     plot = reliability_plot(data, temps, tmp_path / "rel.png")
     assert plot.stat().st_size > 1000
     calibrated = make_drafter(str(tmp_path), target=tiny_target)
-    raw = DSparkDrafter(model)
+    raw = DSparkDrafter(calibrated.model)  # the same loaded weights (and head groups), no temperatures
     assert calibrated.temperatures == temps
     seq = prompts[0]
     feats = target_features(tiny_target, [seq], model.target_layer_ids)

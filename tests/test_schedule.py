@@ -205,8 +205,7 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     decisions = []
     for _ in expected:
         decisions.append(scheduler.draft_limit(1, 4) == 0)
-        if not decisions[-1]:
-            scheduler.plan(proposal)
+        scheduler.plan(Proposal.empty(1) if decisions[-1] else proposal)  # as the engine plans every step
     assert decisions == expected
     # the rule: plain decoding (no drafter call) against the best budget with the call
     a = prefix_survival(proposal.confidence, proposal.lengths)
@@ -215,6 +214,19 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     cost.draft_seconds = [0.01]  # drafting pays again: the next step drafts and probing starts over from 3
     assert scheduler.draft_limit(1, 4) != 0 and scheduler.wait == 3
     assert FixedLength(3).draft_limit(2, 6) == 3 and FixedLength(0).draft_limit(2, 6) == 0
+
+
+def test_async_reads_a_probe_two_steps_after_it_though_the_steps_between_skip():
+    cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.1, 1.2], [1], [0.3])
+    scheduler = AsyncBudgetScheduler(cost, probe_every=3)
+    limits = []
+    for step in range(10):
+        limits.append(scheduler.draft_limit(1, 4))
+        c = 0.05 if step < 5 else 0.9  # the drafter turns good at step 5, a probe
+        scheduler.plan(Proposal.empty(1) if limits[-1] == 0 else
+                       Proposal(torch.zeros(1, 4, dtype=torch.long), None, torch.tensor([4]), torch.full((1, 4), c)))
+    # step 6 still reads step 1 (skips count as steps), step 7 reads the probe and drafts the whole block
+    assert limits == [None, None, 0, 0, 0, None, 0, None, None, None]
 
 
 def test_budget_search_costs_the_drafter_at_the_depth_it_needs():
@@ -298,6 +310,31 @@ def test_staircase_detection_and_file_round_trip(tmp_path):
     assert loaded == t and loaded.meta["machine"]["cpu"] == "test"
     with pytest.raises(ValueError, match="ascending"):
         CostTable([2, 1], [1.0, 1.0])
+
+
+def test_cached_profile_keys_the_drafters_groups_and_replaces_an_unreadable_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dspark.schedule import profile
+
+    made = []
+    monkeypatch.setattr(profile, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(profile, "profile_engine", lambda engine, max_requests: made.append(1) or
+                        CostTable([1, 2], [1.0, 1.1]))
+    head = torch.nn.Linear(4, 8)
+    engine = SimpleNamespace(target=torch.nn.Linear(4, 4), drafter=SimpleNamespace(model=head),
+                             config=SimpleNamespace(max_num_seqs=2))
+    profile.cached_profile(engine, ("key",))
+    profile.cached_profile(engine, ("key",))
+    assert len(made) == 1  # the second call read the file
+    (first,) = (tmp_path / "profiles").glob("*.json")
+    head.groups = object()  # the drafter's head now reads groups: a different cost, a different file
+    profile.cached_profile(engine, ("key",))
+    assert len(made) == 2
+    (file,) = set((tmp_path / "profiles").glob("*.json")) - {first}
+    file.write_text('{"verify_sizes": [1], "verify_seconds": [1.0], "a_field_of_a_later_version": 1}')
+    assert profile.cached_profile(engine, ("key",)).verify_sizes == [1, 2]  # profiled again
+    assert len(made) == 3 and CostTable.load(file).verify_sizes == [1, 2]  # and replaced
 
 
 # ---- engine -------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ class AsyncBudgetScheduler(Scheduler):
 
     def __init__(self, cost: CostTable, lag: int = 2, probe_every: int = 32, max_probe_every: int = 512):
         self.cost = cost
-        self.history: deque[torch.Tensor] = deque(maxlen=lag)  # prefix survivals of the last drafting steps
+        self.lag = lag
+        self.steps = 0  # steps planned so far, skipped ones included
+        self.history: deque[tuple[int, torch.Tensor]] = deque(maxlen=lag)  # (step, prefix survivals) of drafting steps
         self.width = 0  # the widest block drafted so far: shallower survivals are padded with zeros to it
         self.planned: int | None = None  # the budget chosen before drafting (None: plan chooses it)
         self.budget: int | None = None  # the budget of the last plan
@@ -70,11 +72,18 @@ class AsyncBudgetScheduler(Scheduler):
         self.wait = probe_every  # steps short of the whole block before the next probe
         self.shallow = 0  # steps in a row that skipped the drafter or drafted short of the whole block
 
+    def old_survival(self) -> torch.Tensor | None:
+        """The prefix survivals of the latest drafting step at least `lag` steps before this one (skipped steps
+        count, so a probe's survivals are read two steps after it, not after the next drafting step), or None."""
+        old = [a for step, a in self.history if step <= self.steps - self.lag]
+        return old[-1] if old else None
+
     def draft_limit(self, num_requests: int, slots: int) -> int | None:
         self.planned = None
-        if len(self.history) < self.history.maxlen:  # no step N−2 yet: draft the whole block, verify it all
+        old = self.old_survival()
+        if old is None:  # no step N−2 yet: draft the whole block, verify it all
             return None
-        k, depth, _ = budget_search(self.history[0], num_requests, slots, self.cost)
+        k, depth, _ = budget_search(old, num_requests, slots, self.cost)
         if k > 0:
             self.wait = self.probe_every
         if depth >= self.width:  # the whole block pays
@@ -91,6 +100,8 @@ class AsyncBudgetScheduler(Scheduler):
         return depth
 
     def plan(self, proposal: Proposal) -> torch.Tensor:
+        old, step = self.old_survival(), self.steps
+        self.steps += 1
         if proposal.confidence is None:
             return proposal.lengths
         a = prefix_survival(proposal.confidence, proposal.lengths)
@@ -98,13 +109,13 @@ class AsyncBudgetScheduler(Scheduler):
         slots = int(proposal.lengths.sum())
         if self.planned is not None:
             self.budget = self.planned
-        elif len(self.history) == self.history.maxlen:  # the whole block was drafted unplanned (a probe): paid for
-            self.budget = global_budget(self.history[0], R, slots, self.cost)
+        elif old is not None:  # the whole block was drafted unplanned (a probe): paid for
+            self.budget = global_budget(old, R, slots, self.cost)
         else:  # no step N−2 yet: verify everything proposed
             self.budget = slots
         self.planned = None
         self.width = max(self.width, a.shape[1])
-        self.history.append(torch.nn.functional.pad(a, (0, self.width - a.shape[1])))  # unseen positions: no gain
+        self.history.append((step, torch.nn.functional.pad(a, (0, self.width - a.shape[1]))))  # unseen: no gain
         return top_k_lengths(a, min(self.budget, slots))
 
     def observe(self, st) -> None:

@@ -120,14 +120,19 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
 
 
 def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
-    """The cost table for this engine, machine, product kernel and weight groups from ~/.cache/dspark/profiles, profiled (about
-    a minute) and saved there the first time."""
-    groups = sum(getattr(m, "groups", None) is not None for m in engine.target.modules())  # groups.py changes costs
+    """The cost table for this engine, machine, product kernel and weight groups (target's and drafter's) from
+    ~/.cache/dspark/profiles, profiled (about a minute) and saved there the first time; a file that cannot be read
+    (cut short, or written by another version) is profiled again and replaced."""
+    modules = [*engine.target.modules(), *getattr(engine.drafter, "model", torch.nn.Module()).modules()]
+    groups = sum(getattr(m, "groups", None) is not None for m in modules)  # groups.py changes costs
     digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION)).encode()
                             ).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
-        return CostTable.load(path)
+        try:
+            return CostTable.load(path)
+        except (ValueError, TypeError, KeyError) as e:  # a partial or foreign file: profile again, replace it
+            print(f"cannot read the cached cost table {path} ({e}); profiling again", file=sys.stderr, flush=True)
     print(f"profiling step times for the scheduler (once; cached at {path})", file=sys.stderr, flush=True)
     table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
     path.parent.mkdir(parents=True, exist_ok=True)
