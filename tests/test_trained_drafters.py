@@ -2,7 +2,8 @@
 and MTP-1 baselines) keep the engine lossless: greedy output equals plain greedy (fp32) with every drafter
 and every scheduler, and at temperature 1 the joint distribution of the first tokens equals plain sampling
 (G-test against the exact target tree, as in test_lossless_distribution) with the trained drafters and the
-confidence schedulers. They also load as the released layout says and stay under 25 MB.
+confidence schedulers. They also load as the released layout says and stay under 25 MB, and draft from their
+committed draft vocabularies (draft_vocab.py), so every test here runs with them.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from target_tree import TargetTree
 
 from dspark.config import EngineConfig
 from dspark.draft import DEFAULT_DRAFTER_DIR, make_drafter
+from dspark.draft.draft_vocab import load_draft_vocab
 from dspark.engine.llm_engine import LLMEngine
 from dspark.sampling import SamplingParams
 from dspark.schedule import CostTable, make_scheduler
@@ -50,6 +52,8 @@ def test_committed_drafter_layout_and_size(name):
     assert config["vocab_size"] == 49152 and config["hidden_size"] == 576
     assert config["architectures"] == (["LlamaForCausalLMEagle3"] if name in ("eagle3", "mtp") else ["Qwen3DSparkModel"])
     assert config["block_size"] == (1 if name == "mtp" else 7)
+    ids = load_draft_vocab(folder, config["vocab_size"])  # every test below drafts from it
+    assert ids is not None and len(ids) == 8192
 
 
 GREEDY_CASES = [(d, "fixed") for d in DRAFTERS] + [("dspark", s) for s in ("threshold", "algorithm1", "async")]

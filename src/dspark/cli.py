@@ -151,13 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     from .cli_measure import add_calibrate_parser, add_profile_parser
-    from .cli_train import add_export_parser, add_features_parser, add_regenerate_parser, add_train_parser
+    from .cli_train import (add_draft_vocab_parser, add_export_parser, add_features_parser, add_regenerate_parser,
+                            add_train_parser)
 
     add_regenerate_parser(sub)
     add_train_parser(sub)
     add_serve_parser(sub)
     add_features_parser(sub)
     add_export_parser(sub)
+    add_draft_vocab_parser(sub)
     add_calibrate_parser(sub)
     add_profile_parser(sub)
     return parser

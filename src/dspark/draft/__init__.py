@@ -46,11 +46,15 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         from .eagle3_model import Eagle3Model
 
         from ..calibrate import load_temperatures
+        from .draft_vocab import load_draft_vocab, restrict
         from ..target.groups import hold_head_groups
         from ..target.q4_1 import Q4Linear
 
         folder = Path(spec).expanduser()
         model = load_drafter(folder, target)
+        ids = load_draft_vocab(folder, model.c.vocab_size)
+        if ids is not None:  # drafts from the most frequent tokens only: smaller heads, the same lossless q
+            restrict(model, ids)
         if target is not None and any(isinstance(m, Q4Linear) for m in target.modules()):
             # a q4_1 target: the drafter's LM head in 4 bits too (a cheaper q, still exactly the q sampled from)
             model.lm_head = Q4Linear(model.lm_head)

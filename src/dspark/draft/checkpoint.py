@@ -64,6 +64,8 @@ def _atomic_write(path: Path, write):
 def save_drafter(model: DSparkModel | Eagle3Model, folder: str | Path, *, export_frozen: bool = False,
                  dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors (each file atomically)."""
+    if model.draft_ids is not None:
+        raise ValueError("this drafter's heads were cut to its draft vocabulary (inference only); save the full model")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()

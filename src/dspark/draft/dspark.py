@@ -8,6 +8,7 @@ from ..sampling import param_tensors, sample, warp
 from ..target.model import FlatBatch
 from .base import Proposal
 from .context_cache import ContextCacheDrafter
+from .draft_vocab import widen
 from .dspark_model import DSparkModel
 
 
@@ -41,7 +42,7 @@ class DSparkDrafter(ContextCacheDrafter):
         self.cache.reserve(requests[-1].slot + 1, int(visible.max()) + 1)
         batch = FlatBatch(block.flatten(), positions, [G] * R, slot_start=requests[0].slot, visible=visible)
         h = m.backbone(batch.tokens, positions, self.attend(batch)).view(R, G, -1)
-        U = m.base_logits(h[:, :K])  # [R, K, V]
+        U = m.base_logits(h[:, :K])  # [R, K, V], or [R, K, |draft vocabulary|]
         params = param_tensors([r.params for r in requests])
         u = torch.stack([r.uniforms(G) for r in requests])  # [R, G]: γ per step whatever K, so seeds replay
         tokens = torch.zeros(R, K, dtype=torch.long)
@@ -52,7 +53,8 @@ class DSparkDrafter(ContextCacheDrafter):
         for k in range(K):
             bias, c_logit, state = m.head_step(prev, h[:, k], state)
             q[:, k] = warp(U[:, k] if bias is None else U[:, k] + bias, *params)
-            tokens[:, k] = prev = sample(q[:, k], u[:, k])
+            drawn = sample(q[:, k], u[:, k])
+            tokens[:, k] = prev = drawn if m.draft_ids is None else m.draft_ids[drawn]
             if c_logit is not None:
                 conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
-        return Proposal(tokens, q, torch.full((R,), K), conf if m.confidence_head is not None else None)
+        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K), conf if m.confidence_head is not None else None)

@@ -132,6 +132,8 @@ class FeatureDrafterModel(nn.Module):
     """What every drafter that reads target features has: its config, the target's embedding and LM head
     (frozen, shared), the context projection fc over the chosen target layers, and rotary tables."""
 
+    draft_ids: torch.Tensor | None = None  # the draft vocabulary (draft_vocab.py) the heads were cut to, if any
+
     def __init__(self, config: dict):
         super().__init__()
         c = self.c = config_namespace(config)

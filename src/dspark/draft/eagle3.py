@@ -8,6 +8,7 @@ from ..sampling import param_tensors, sample, warp
 from ..target.model import FlatBatch
 from .base import Proposal
 from .context_cache import ContextCacheDrafter
+from .draft_vocab import widen
 from .eagle3_model import Eagle3Model
 
 
@@ -43,13 +44,14 @@ class Eagle3Drafter(ContextCacheDrafter):
         params = param_tensors([r.params for r in requests])
         u = torch.stack([r.uniforms(G) for r in requests])
         tokens = torch.zeros(R, K, dtype=torch.long)
-        q = torch.empty(R, K, m.c.vocab_size)
+        q = torch.empty(R, K, m.c.vocab_size if m.draft_ids is None else len(m.draft_ids))
         for k in range(K):
             batch = FlatBatch(prev, positions + k, [1] * R, slot_start=requests[0].slot)
             g = m.step(prev, g, batch.positions, self.attend(batch))
             q[:, k] = warp(m.draft_logits(g), *params)
-            tokens[:, k] = prev = sample(q[:, k], u[:, k])
-        return Proposal(tokens, q, torch.full((R,), K))
+            drawn = sample(q[:, k], u[:, k])
+            tokens[:, k] = prev = drawn if m.draft_ids is None else m.draft_ids[drawn]
+        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K))
 
     def release(self, request, moved_from: int | None = None) -> None:
         super().release(request, moved_from)

@@ -120,13 +120,14 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
 
 
 def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
-    """The cost table for this engine, machine, product kernel and weight groups (target's and drafter's) from
-    ~/.cache/dspark/profiles, profiled (about a minute) and saved there the first time; a file that cannot be read
-    (cut short, or written by another version) is profiled again and replaced."""
-    modules = [*engine.target.modules(), *getattr(engine.drafter, "model", torch.nn.Module()).modules()]
-    groups = sum(getattr(m, "groups", None) is not None for m in modules)  # groups.py changes costs
-    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION)).encode()
-                            ).hexdigest()[:16]
+    """The cost table for this engine, machine, product kernel, weight groups (target's and drafter's) and draft
+    vocabulary from ~/.cache/dspark/profiles, profiled (about a minute) and saved there the first time; a file that
+    cannot be read (cut short, or written by another version) is profiled again and replaced."""
+    drafter = getattr(engine.drafter, "model", torch.nn.Module())
+    groups = sum(getattr(m, "groups", None) is not None for m in [*engine.target.modules(), *drafter.modules()])
+    draft_ids = getattr(drafter, "draft_ids", None)  # groups.py and a draft vocabulary change costs
+    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION) +
+                                 (() if draft_ids is None else (len(draft_ids),))).encode()).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():
         try:
