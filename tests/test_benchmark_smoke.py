@@ -194,3 +194,23 @@ def test_train_step_times_two_trees_side_by_side(tmp_path, tiny_target_dir):
                                                          ("mtp", "baseline")]
     for this, base in (rows[:2], rows[2:]):
         assert this["loss_after"] == base["loss_after"] and this["s_per_step"] > 0 and this["baseline_over_this"] > 0
+
+
+@pytest.mark.slow
+def test_draft_vocab_quick_writes_result(tmp_path):
+    from dspark.draft import DEFAULT_DRAFTER_DIR
+
+    script = load_script(BENCHMARKS / "draft_vocab.py")
+    out = tmp_path / "draft_vocab"
+    threads = torch.get_num_threads()
+    try:
+        assert script.main(["--quick", "--drafters", f"dspark={DEFAULT_DRAFTER_DIR}", "--max-new-tokens", "4",
+                            "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.with_suffix(".json").read_text())
+    systems = [r["system"] for r in result["rows"]]
+    assert systems == ["plain", "dspark", "dspark (whole vocabulary)", "dspark-async", "dspark-async (whole vocabulary)"]
+    assert all(r["tokens_per_s"] > 0 for r in result["rows"])
+    assert set(result["headline"]) == {"dspark_cut_over_whole", "dspark-async_cut_over_whole"}
+    assert "whole vocabulary" in out.with_suffix(".md").read_text()
