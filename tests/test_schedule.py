@@ -216,6 +216,23 @@ def test_async_skips_the_drafter_only_where_no_budget_pays_for_it(drafter_second
     assert FixedLength(3).draft_limit(2, 6) == 3 and FixedLength(0).draft_limit(2, 6) == 0
 
 
+def test_async_probes_soon_after_new_requests_arrive():
+    from dspark.engine.stats import StepStats
+
+    cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.1, 1.2], [1], [0.5], correction_rate=0.0)  # never pays
+    scheduler = AsyncBudgetScheduler(cost, probe_every=3)
+    low = Proposal(torch.zeros(1, 4, dtype=torch.long), None, torch.tensor([4]), torch.full((1, 4), 0.3))
+    limits = []
+    for step in range(10):
+        limits.append(scheduler.draft_limit(1, 4))
+        scheduler.plan(Proposal.empty(1) if limits[-1] == 0 else low)
+        scheduler.observe(StepStats(num_requests=1, verify_tokens=1, drafted=[0], t_total=1.0, draft_skipped=True,
+                                    prefill_tokens=5 if step == 6 else 0))  # a request arrives at step 6
+    # the fruitless probe at step 5 doubled the wait to 6; the arrival resets it to 3, so after three steps short
+    # of the whole block (6, 7, 8) step 9 probes
+    assert limits == [None, None, 0, 0, 0, None, 0, 0, 0, None]
+
+
 def test_async_reads_a_probe_two_steps_after_it_though_the_steps_between_skip():
     cost = CostTable([1, 2, 4, 8], [1.0, 1.0, 1.1, 1.2], [1], [0.3])
     scheduler = AsyncBudgetScheduler(cost, probe_every=3)

@@ -329,8 +329,10 @@ def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_targ
     from dspark.target.loading import load_target
 
     Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, steps=2)).fit()
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "50"]) == 0
     assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "ship"),
                  "--target", str(tiny_target_dir)]) == 0
+    assert (tmp_path / "ship" / "draft_vocab.json").read_text() == (tmp_path / "run" / "draft_vocab.json").read_text()
     weights = load_file(tmp_path / "ship" / "model.safetensors")
     assert "embed_tokens.weight" not in weights and all(t.dtype == torch.bfloat16 for t in weights.values())
     assert json.loads((tmp_path / "ship" / "training.json").read_text())["step"] == 2

@@ -199,7 +199,7 @@ def cmd_export(args) -> int:
     model = load_drafter(src, target, dtype=torch.float32)
     save_drafter(model, dst, export_frozen=args.with_frozen,
                  dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
-    for extra in ("train_log.jsonl", "calibration.json", "reliability.png"):
+    for extra in ("train_log.jsonl", "calibration.json", "reliability.png", "draft_vocab.json"):
         if (src / extra).is_file():
             shutil.copy(src / extra, dst / extra)
     if (src / "train_state.pt").is_file():
@@ -215,7 +215,8 @@ def add_export_parser(sub):
                         description="Write a trained drafter in the released layout (config.json + model.safetensors) "
                                     "in bf16 or fp32: trainable weights only (they load here against the target), or "
                                     "with the target's embedding and LM head (--with-frozen) for engines that expect "
-                                    "every weight in the file. The training log, settings and calibration come along.")
+                                    "every weight in the file. The training log, settings, calibration and draft vocabulary "
+                                    "come along.")
     ex.add_argument("--drafter", required=True, help="the trained drafter folder")
     ex.add_argument("--out", required=True, help="the folder to write")
     ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
