@@ -54,6 +54,7 @@ def systems(plain: LLM, args) -> dict[str, tuple[LLM, str, bool]]:
     runs = [(name, folder, "fixed") for name, folder in args.drafter_dirs.items()]
     if args.async_drafter:
         runs.append((f"{args.async_drafter}-async", args.drafter_dirs[args.async_drafter], "async"))
+    saved = os.environ.get("DSPARK_DRAFT_VOCAB")
     for name, folder, scheduler in runs:
         for cut in (True, False):
             os.environ["DSPARK_DRAFT_VOCAB"] = "1" if cut else "0"  # read when the drafter loads
@@ -61,6 +62,8 @@ def systems(plain: LLM, args) -> dict[str, tuple[LLM, str, bool]]:
                 llm = plain.sibling(folder, scheduler, max_num_seqs=1)
             finally:
                 os.environ.pop("DSPARK_DRAFT_VOCAB")
+                if saved is not None:
+                    os.environ["DSPARK_DRAFT_VOCAB"] = saved
             if cut and llm.engine.drafter.model.draft_ids is None:
                 raise SystemExit(f"{folder} has no draft_vocab.json (dspark draft-vocab writes one)")
             out[name + ("" if cut else " (whole vocabulary)")] = (llm, name, cut)

@@ -1,6 +1,6 @@
 """Draft vocabularies (draft_vocab.py): the most frequent answer tokens; a drafter cut to them drafts only
-them, from q = its full-vocabulary distribution renormalised over them (zero elsewhere), for DSpark and
-Eagle3-style drafters alike; decoding with it stays lossless (greedy equality here; the committed drafters' tests
+them, from q = (at temperature 1) its full-vocabulary distribution renormalised over them, zero elsewhere, for
+DSpark and Eagle3-style drafters alike; decoding with it stays lossless (greedy equality here; the committed drafters' tests
 in test_trained_drafters run with their draft vocabularies; that a q which is zero where p is not keeps sampling
 exact is test_lossless_distribution's q_far setting and its real-model drafter, whose q lives on the target's top
 tokens); files are checked.
@@ -31,12 +31,13 @@ IDS = torch.cat([torch.tensor([1]), SUBSET])
 
 
 def test_most_frequent_ranks_by_count_then_id_and_keeps_the_end_ids():
-    answers = [[5, 5, 7, 9, 9, 9], [7, 4, 9]]  # counts: 9 x4, 5 x2, 7 x2, 4 x1
-    assert most_frequent(answers, 2) == [5, 9]  # ties to the smaller id: 5 before 7
-    assert most_frequent(answers, 2, always=[1]) == [1, 5, 9]
-    assert most_frequent(answers, 10) == [4, 5, 7, 9]
-    with pytest.raises(ValueError, match="at least one"):
-        most_frequent(answers, 0)
+    answers = [[20 + i] * (20 - i) for i in range(20)] + [[19] * 6]  # 34 and 19 tie at 6
+    assert most_frequent(answers, 16, 64) == list(range(19, 35))  # ties to the smaller id: 19 and 34 both fit
+    assert most_frequent(answers, 16, 64, always=[1]) == [1, *range(19, 34)]  # the end id displaces 34
+    assert most_frequent([[40, 40, 41, 42]], 16, 64) == [*range(13), 40, 41, 42]  # filled with unseen ids
+    for size, bad in ((10, [[3]]), (80, [[3]]), (16, [[70]])):
+        with pytest.raises(ValueError, match="multiple of 16|must lie"):
+            most_frequent(bad, size, 64)
 
 
 def test_draft_vocab_files_are_checked(tmp_path, monkeypatch):
@@ -86,16 +87,19 @@ def test_cut_drafter_is_greedy_equal_to_plain_and_cannot_be_saved(tiny_target, t
     model = tiny_drafter(tiny_target, "vanilla", seed=5)
     save_drafter(model, tmp_path)
     data = write_train_data(tmp_path / "train.jsonl", [(4, 60)] * 6)
-    assert main(["draft-vocab", "--drafter", str(tmp_path), "--data", str(data), "--size", "100"]) == 0
+    assert main(["draft-vocab", "--drafter", str(tmp_path), "--data", str(data), "--size", "96"]) == 0
     vocab = json.loads((tmp_path / DRAFT_VOCAB_FILE).read_text())
-    assert vocab["size"] == 101 and 1 in vocab["ids"] and 0 < vocab["coverage"] < 1  # 100 and the eos id
+    assert vocab["size"] == 96 and 1 in vocab["ids"] and 0 < vocab["coverage"] < 1  # the eos id and 95 others
     llm = LLM(str(tiny_target_dir), drafter=str(tmp_path), dtype="fp32")
-    assert len(llm.engine.drafter.model.draft_ids) == 101
+    assert len(llm.engine.drafter.model.draft_ids) == 96
     plain = llm.sibling("none")
     prompts = [[5 + i, 40, 41, 42] * 3 for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     assert sum(s.verify_tokens - s.num_requests for s in llm.engine.stats) > 0  # drafts were verified
+    q4 = LLM(str(tiny_target_dir), drafter=str(tmp_path), dtype="q4_1")  # its head cut, then in 4 bits
+    assert q4.engine.drafter.model.lm_head.out_features == 96
+    assert len(q4.generate([prompts[0]], greedy, use_tqdm=False)[0].token_ids) == 40
     with pytest.raises(ValueError, match="draft vocabulary"):
         save_drafter(llm.engine.drafter.model, tmp_path / "again")

@@ -227,10 +227,13 @@ def test_async_probes_soon_after_new_requests_arrive():
         limits.append(scheduler.draft_limit(1, 4))
         scheduler.plan(Proposal.empty(1) if limits[-1] == 0 else low)
         scheduler.observe(StepStats(num_requests=1, verify_tokens=1, drafted=[0], t_total=1.0, draft_skipped=True,
-                                    prefill_tokens=5 if step == 6 else 0))  # a request arrives at step 6
+                                    prefill_tokens=5 * (step == 6), admitted=int(step == 6)))  # it arrives at step 6
     # the fruitless probe at step 5 doubled the wait to 6; the arrival resets it to 3, so after three steps short
     # of the whole block (6, 7, 8) step 9 probes
     assert limits == [None, None, 0, 0, 0, None, 0, 0, 0, None]
+    scheduler.wait = 12  # one request joining three running ones: the pause stands
+    scheduler.observe(StepStats(num_requests=4, verify_tokens=4, drafted=[0] * 4, t_total=1.0, admitted=1))
+    assert scheduler.wait == 12
 
 
 def test_async_reads_a_probe_two_steps_after_it_though_the_steps_between_skip():

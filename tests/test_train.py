@@ -329,7 +329,7 @@ def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_targ
     from dspark.target.loading import load_target
 
     Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, steps=2)).fit()
-    assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "50"]) == 0
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "48"]) == 0
     assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "ship"),
                  "--target", str(tiny_target_dir)]) == 0
     assert (tmp_path / "ship" / "draft_vocab.json").read_text() == (tmp_path / "run" / "draft_vocab.json").read_text()

@@ -235,12 +235,13 @@ def cmd_draft_vocab(args) -> int:
     config = json.loads((Path(args.drafter) / "config.json").read_text())
     with open(args.data) as f:
         answers = [json.loads(line)["answer_ids"] for line in f if line.strip()]
-    if not answers:
-        raise ValueError(f"{args.data} holds no answers")
+    total = sum(len(a) for a in answers)
+    if not total:
+        raise ValueError(f"{args.data} holds no answer tokens")
     eos = config.get("eos_token_id")
     always = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
-    ids = most_frequent(answers, args.size, always)
-    kept, total = set(ids), sum(len(a) for a in answers)
+    ids = most_frequent(answers, args.size, config["vocab_size"], always)
+    kept = set(ids)
     coverage = sum(t in kept for a in answers for t in a) / total
     path = save_draft_vocab(args.drafter, ids, {"data": str(args.data), "answers": len(answers), "tokens": total,
                                                 "coverage": coverage})
@@ -251,12 +252,12 @@ def cmd_draft_vocab(args) -> int:
 
 def add_draft_vocab_parser(sub):
     dv = sub.add_parser("draft-vocab", help="give a drafter a draft vocabulary: its most frequent answer tokens",
-                        description="Write DRAFTER/draft_vocab.json: the SIZE tokens most frequent in the training "
-                                    "answers (and the end-of-turn ids). At load the drafter's LM head and Markov W2 "
+                        description="Write DRAFTER/draft_vocab.json: SIZE tokens, the end-of-turn id and those most "
+                                    "frequent in the training answers. At load the drafter's LM head and Markov W2 "
                                     "keep only their rows, so drafting is cheaper; drafts never leave it, and q stays "
                                     "exactly what they are sampled from, so decoding stays lossless. "
                                     "DSPARK_DRAFT_VOCAB=0 ignores the file.")
     dv.add_argument("--drafter", required=True, help="the drafter folder (written into)")
     dv.add_argument("--data", required=True, help="regenerated training JSONL (answer_ids), as for dspark train")
-    dv.add_argument("--size", type=int, default=8192, help="tokens kept (default: %(default)s)")
+    dv.add_argument("--size", type=int, default=8192, help="tokens kept, a multiple of 16 (default: %(default)s)")
     dv.set_defaults(func=cmd_draft_vocab)

@@ -1,9 +1,12 @@
 """A draft vocabulary, as Eagle3's released drafters have: the drafter's LM head (and the Markov head's W2) keep
 only the rows of the tokens most frequent in the training answers, so a drafting call's largest product, its
 softmax and its top-p and sampling run over those columns instead of the whole vocabulary. Drafts are then never
-outside it, and q is zero there and renormalised over it; q is still exactly what the drafts were sampled from, so
-verification stays lossless (the target itself still emits any token). For SmolLM2-135M-Instruct's 49,152 tokens
-the 8,192 most frequent hold 98.2% of the 714,855 tokens of the committed training answers.
+outside it: q is the request's sampling distribution computed over its logits there (at temperature 1 without top-k
+or top-p, the whole-vocabulary distribution renormalised over them; greedy, the argmax among them) and zero
+elsewhere, still exactly what the drafts were sampled from, so verification stays lossless (the target itself still
+emits any token). For SmolLM2-135M-Instruct's 49,152 tokens the 8,192 most frequent hold 98.2% of the 714,855
+tokens of the committed training answers. Sizes are multiples of 16, the row tile of the 4-bit kernel that a q4_1
+target's drafter head runs on.
 
 The draft vocabulary is an extra beside a drafter's weights (`draft_vocab.json`, sorted token ids), applied at load
 for inference only; training reads the whole vocabulary. `DSPARK_DRAFT_VOCAB=0` turns it off.
@@ -22,14 +25,18 @@ from ..target.upcast import ManyRowsLinear
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
-def most_frequent(answers, size: int, always=()) -> list[int]:
-    """The `size` most frequent token ids over the answers (sequences of ids), ties to the smaller id, plus the
-    `always` ids (end-of-turn and end-of-text, so that a draft can end an answer); sorted."""
-    if size < 1:
-        raise ValueError(f"a draft vocabulary needs at least one token, got size {size}")
+def most_frequent(answers, size: int, vocab_size: int, always=()) -> list[int]:
+    """`size` token ids, sorted: the `always` ids (the end-of-turn id, so that a draft can end an answer), then the
+    most frequent over the answers (sequences of ids), ties to the smaller id, then (when fewer distinct tokens
+    occur) unseen ids from the smallest."""
+    if size % 16 or not 16 <= size <= vocab_size:
+        raise ValueError(f"a draft vocabulary's size must be a multiple of 16 from 16 to {vocab_size}, got {size}")
     counts = Counter(t for answer in answers for t in answer)
+    if any(not 0 <= t < vocab_size for t in (*counts, *always)):
+        raise ValueError(f"token ids must lie in 0..{vocab_size - 1}")
     ranked = sorted(counts, key=lambda t: (-counts[t], t))
-    return sorted(set(ranked[:size]) | set(always))
+    chosen = dict.fromkeys([*always, *ranked, *range(vocab_size)])  # ordered, distinct
+    return sorted(list(chosen)[:size])
 
 
 def save_draft_vocab(folder: str | Path, ids: list[int], meta: dict) -> Path:

@@ -185,7 +185,7 @@ class LLMEngine:
             self._commit(new, batch, out.features, [len(r.prompt_ids) for r in new], source)
         except Exception as exc:  # the forward failed: these requests fail, the engine goes on
             return self._fail(new, exc)
-        st.prefill_tokens = sum(lens)
+        st.prefill_tokens, st.admitted = sum(lens), len(new)
         return self._emit(new, [[t] for t in first_tokens], count_step=False)
 
     def _take_waiting(self) -> list[Request]:

@@ -15,6 +15,7 @@ class StepStats:
     expected_tau: float | None = None  # Σ_r (1 + Σ_{j<=ℓ_r} a_rj): the confidences' prediction of self.tokens
     confidence: list[list[float]] | None = None  # c[R, γ], when the engine records it
     prefill_tokens: int = 0
+    admitted: int = 0  # requests admitted (prefilled) this step
     t_prefill: float = 0.0  # seconds
     t_draft: float = 0.0
     t_plan: float = 0.0

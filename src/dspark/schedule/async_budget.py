@@ -14,8 +14,9 @@ the target) the step skips the drafter and verifies nothing. The decision reads 
 the survivals of every position stay current (unseen positions count as no gain, so between probes the depth can
 only shrink). Each probe after which drafting still does not pay doubles the wait before the next (up to
 `max_probe_every`), so where the drafter never pays the probes cost almost nothing; the first step where drafting
-pays again resets it, and so does the admission of new requests (a prompt where the drafter does well must not wait
-out the long pause a previous one earned: a step that has gone probe_every steps short of the whole block probes).
+pays again resets it, and so does a step whose requests are at least half newly admitted (a prompt where the drafter
+does well must not wait out the long pause a previous one earned; under steady traffic into a large batch the
+pause still grows).
 
 On a CPU the plan runs between the drafter and the verify forward of the same step; the two-step lag is
 kept all the same, so the scheduler behaves as it would overlapped with the GPU.
@@ -120,7 +121,7 @@ class AsyncBudgetScheduler(Scheduler):
         return top_k_lengths(a, min(self.budget, slots))
 
     def observe(self, st) -> None:
-        if st.prefill_tokens:  # new requests, whose survivals no step has seen: probe within probe_every steps
-            self.wait = self.probe_every
+        if 2 * st.admitted >= max(st.num_requests, 1):  # mostly new requests, whose survivals no step has seen:
+            self.wait = self.probe_every  # probe within probe_every steps (a trickle into a large batch does not)
         self.cost.observe(st.verify_tokens, st.num_requests, st.t_total - st.t_prefill, drafted=not st.draft_skipped,
                           depth=max(st.drafted, default=0))
