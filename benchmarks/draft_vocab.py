@@ -97,7 +97,8 @@ def main(argv=None) -> int:
         drafted = [st.t_draft for st in peer.llm.engine.stats if max(st.drafted, default=0) > 0]
         rows.append({"system": peer.name, "drafter": drafter, "draft_vocab": cut, "requests": len(outs),
                      "new_tokens": args.max_new_tokens, "tokens_per_s": tps, "vs_plain": tps / plain_tps,
-                     "tau": sum(len(o.token_ids) - 1 for o in peer.history) / max(sum(o.steps for o in peer.history), 1),
+                     "tau": sum(len(o.token_ids) - 1 for o in peer.history) / max(sum(o.steps for o in peer.history),
+                                                                                   1),
                      "draft_ms": 1000 * statistics.median(drafted) if drafted else None})
         log(f"{peer.name}: {tps:.1f} tok/s, {rows[-1]['vs_plain']:.3f}x plain, τ {rows[-1]['tau']:.2f}")
     by = {(r["drafter"], r["draft_vocab"]): r for r in rows if r["drafter"]}

@@ -1,9 +1,9 @@
 """Draft vocabularies (draft_vocab.py): the most frequent answer tokens; a drafter cut to them drafts only
 them, from q = (at temperature 1) its full-vocabulary distribution renormalised over them, zero elsewhere, for
-DSpark and Eagle3-style drafters alike; decoding with it stays lossless (greedy equality here; the committed drafters' tests
-in test_trained_drafters run with their draft vocabularies; that a q which is zero where p is not keeps sampling
-exact is test_lossless_distribution's q_far setting and its real-model drafter, whose q lives on the target's top
-tokens); files are checked.
+DSpark and Eagle3-style drafters alike; decoding with it stays lossless (greedy equality here; the committed
+drafters' tests in test_trained_drafters run with their draft vocabularies; that a q which is zero where p is not
+keeps sampling exact is test_lossless_distribution's q_far setting and its real-model drafter, whose q lives on the
+target's top tokens); files are checked.
 """
 from __future__ import annotations
 

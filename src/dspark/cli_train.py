@@ -215,8 +215,8 @@ def add_export_parser(sub):
                         description="Write a trained drafter in the released layout (config.json + model.safetensors) "
                                     "in bf16 or fp32: trainable weights only (they load here against the target), or "
                                     "with the target's embedding and LM head (--with-frozen) for engines that expect "
-                                    "every weight in the file. The training log, settings, calibration and draft vocabulary "
-                                    "come along.")
+                                    "every weight in the file. The training log, settings, calibration and draft "
+                                    "vocabulary come along.")
     ex.add_argument("--drafter", required=True, help="the trained drafter folder")
     ex.add_argument("--out", required=True, help="the folder to write")
     ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")

@@ -78,6 +78,11 @@ def restrict(model, ids: torch.Tensor) -> None:
     model.draft_ids = ids
 
 
+def token_ids(drawn: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Indices drawn from a q over the draft vocabulary -> token ids (the indices themselves when ids is None)."""
+    return drawn if ids is None else ids[drawn]
+
+
 def widen(q: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     """q [..., |ids|] over the draft vocabulary -> [..., V], zero outside it (q itself when ids is None)."""
     if ids is None:

@@ -8,7 +8,7 @@ from ..sampling import param_tensors, sample, warp
 from ..target.model import FlatBatch
 from .base import Proposal
 from .context_cache import ContextCacheDrafter
-from .draft_vocab import widen
+from .draft_vocab import token_ids, widen
 from .dspark_model import DSparkModel
 
 
@@ -53,8 +53,8 @@ class DSparkDrafter(ContextCacheDrafter):
         for k in range(K):
             bias, c_logit, state = m.head_step(prev, h[:, k], state)
             q[:, k] = warp(U[:, k] if bias is None else U[:, k] + bias, *params)
-            drawn = sample(q[:, k], u[:, k])
-            tokens[:, k] = prev = drawn if m.draft_ids is None else m.draft_ids[drawn]
+            tokens[:, k] = prev = token_ids(sample(q[:, k], u[:, k]), m.draft_ids)
             if c_logit is not None:
                 conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
-        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K), conf if m.confidence_head is not None else None)
+        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K),
+                        conf if m.confidence_head is not None else None)

@@ -8,7 +8,7 @@ from ..sampling import param_tensors, sample, warp
 from ..target.model import FlatBatch
 from .base import Proposal
 from .context_cache import ContextCacheDrafter
-from .draft_vocab import widen
+from .draft_vocab import token_ids, widen
 from .eagle3_model import Eagle3Model
 
 
@@ -49,8 +49,7 @@ class Eagle3Drafter(ContextCacheDrafter):
             batch = FlatBatch(prev, positions + k, [1] * R, slot_start=requests[0].slot)
             g = m.step(prev, g, batch.positions, self.attend(batch))
             q[:, k] = warp(m.draft_logits(g), *params)
-            drawn = sample(q[:, k], u[:, k])
-            tokens[:, k] = prev = drawn if m.draft_ids is None else m.draft_ids[drawn]
+            tokens[:, k] = prev = token_ids(sample(q[:, k], u[:, k]), m.draft_ids)
         return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K))
 
     def release(self, request, moved_from: int | None = None) -> None:

@@ -132,7 +132,7 @@ def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
     if path.is_file():
         try:
             return CostTable.load(path)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:  # a partial or foreign file: profile again, replace it
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # partial or foreign: profile, replace it
             print(f"cannot read the cached cost table {path} ({e}); profiling again", file=sys.stderr, flush=True)
     print(f"profiling step times for the scheduler (once; cached at {path})", file=sys.stderr, flush=True)
     table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
