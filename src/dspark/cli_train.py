@@ -77,6 +77,9 @@ TRAIN_HELP = {
     "drafter_type": "dspark (backbone + sequential and confidence heads), dflash (the backbone alone), eagle3 "
                     "(Eagle3-style autoregressive, one layer) or mtp (MTP-1: last target layer, one draft)",
     "feature_cache": "folder of cached target features from `dspark features` (default: computed online)",
+    "draft_vocab": "train over a draft vocabulary: the N most frequent tokens of the training answers (a multiple "
+                   "of 16; written to OUT/draft_vocab.json, which inference then drafts from); the LM-head product "
+                   "and the loss shrink to its columns. 0 = the whole vocabulary",
     "num_layers": "drafter backbone layers (dspark, dflash)",
     "init": "target (backbone from the target's last layers) or small (N(0, 0.02) weights)",
     "block_size": "γ, drafts per block",
@@ -230,7 +233,7 @@ def cmd_draft_vocab(args) -> int:
     import json
     from pathlib import Path
 
-    from .draft.draft_vocab import most_frequent, save_draft_vocab
+    from .draft.draft_vocab import answer_vocab, save_draft_vocab
 
     config = json.loads((Path(args.drafter) / "config.json").read_text())
     with open(args.data) as f:
@@ -238,9 +241,7 @@ def cmd_draft_vocab(args) -> int:
     total = sum(len(a) for a in answers)
     if not total:
         raise ValueError(f"{args.data} holds no answer tokens")
-    eos = config.get("eos_token_id")
-    always = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
-    ids = most_frequent(answers, args.size, config["vocab_size"], always)
+    ids = answer_vocab(answers, args.size, config)
     kept = set(ids)
     coverage = sum(t in kept for a in answers for t in a) / total
     path = save_draft_vocab(args.drafter, ids, {"data": str(args.data), "answers": len(answers), "tokens": total,

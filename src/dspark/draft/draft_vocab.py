@@ -9,7 +9,9 @@ tokens of the committed training answers. Sizes are multiples of 16, the row til
 target's drafter head runs on.
 
 The draft vocabulary is an extra beside a drafter's weights (`draft_vocab.json`, sorted token ids), applied at load
-for inference only; training reads the whole vocabulary. `DSPARK_DRAFT_VOCAB=0` turns it off.
+for inference (`DSPARK_DRAFT_VOCAB=0` turns it off). A drafter trained with one (`dspark train --draft-vocab N`,
+TrainingVocab) learns q over exactly those tokens; one trained over the whole vocabulary can be given one afterwards
+(`dspark draft-vocab`).
 """
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ def most_frequent(answers, size: int, vocab_size: int, always=()) -> list[int]:
     ranked = sorted(counts, key=lambda t: (-counts[t], t))
     chosen = dict.fromkeys([*always, *ranked, *range(vocab_size)])  # ordered, distinct
     return sorted(list(chosen)[:size])
+
+
+def answer_vocab(answers, size: int, config: dict) -> list[int]:
+    """most_frequent over the answers with the target's end-of-turn ids always in (so a draft can end an answer)."""
+    eos = config.get("eos_token_id")
+    always = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
+    return most_frequent(answers, size, config["vocab_size"], always)
 
 
 def save_draft_vocab(folder: str | Path, ids: list[int], meta: dict) -> Path:
@@ -90,3 +99,28 @@ def widen(q: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.T
     out = q.new_zeros(*q.shape[:-1], vocab_size)
     out[..., ids] = q
     return out
+
+
+class TrainingVocab:
+    """Training over a draft vocabulary: the drafter's logits U and the Markov head's W2 over its columns only, and
+    the target's logits there with the whole vocabulary's log-normaliser (losses.RowTerms), so the LM-head
+    product and the loss's element-wise work shrink by V / |ids|. What is trained is what inference drafts from:
+    q over the same tokens. Labels become indices into the vocabulary, -1 for a token outside it."""
+
+    LSE_ROWS = 64  # rows of the target's logits made float32 at a time for the log-normaliser
+
+    def __init__(self, ids: torch.Tensor, lm_head: torch.nn.Linear):
+        self.ids = ids
+        self.head = rows_of(lm_head, ids)
+        self.index = torch.full((lm_head.out_features,), -1, dtype=torch.long)
+        self.index[ids] = torch.arange(len(ids))
+
+    def columns(self, t: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+        """The target's logits t [N, V] -> (t over the vocabulary [N, |ids|], labels as indices, lse [N] of t / T)."""
+        lse = torch.cat([(t[i:i + self.LSE_ROWS].float() / temperature).logsumexp(-1)
+                         for i in range(0, t.shape[0], self.LSE_ROWS)])
+        return t[:, self.ids], self.index[labels], lse
+
+    def rows(self, w2: torch.Tensor) -> torch.Tensor:
+        """The Markov head's W2 [V, r] -> its rows of the vocabulary (gradients reach only those)."""
+        return w2[self.ids]

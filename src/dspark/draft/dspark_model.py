@@ -183,9 +183,10 @@ class DSparkModel(FeatureDrafterModel):
             x = layer(x, cos, sin, attend)
         return self.norm(x)
 
-    def base_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """U [.., V] of the frozen, shared LM head, in `dtype` (None: the head's own)."""
-        U = self.lm_head(h.to(self.embed_tokens.weight.dtype))
+    def base_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32, head=None) -> torch.Tensor:
+        """U [.., V] of the frozen, shared LM head (or `head`, its rows of a draft vocabulary), in `dtype` (None:
+        the head's own)."""
+        U = (self.lm_head if head is None else head)(h.to(self.embed_tokens.weight.dtype))
         return U if dtype is None else U.to(dtype)
 
     def head_step(self, prev: torch.Tensor, h: torch.Tensor, state):

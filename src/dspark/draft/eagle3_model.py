@@ -66,9 +66,10 @@ class Eagle3Model(FeatureDrafterModel):
         cos, sin = self.rotary(positions, g.dtype)
         return self.midlayer(self.embed_tokens(tokens).to(self.dtype), g, cos, sin, attend)
 
-    def draft_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """Logits [N, V] of the token after the one stepped, in `dtype` (None: the LM head's own)."""
-        z = self.lm_head(self.norm(h).to(self.embed_tokens.weight.dtype))
+    def draft_logits(self, h: torch.Tensor, dtype: torch.dtype | None = torch.float32, head=None) -> torch.Tensor:
+        """Logits [N, V] of the token after the one stepped (over `head`'s rows if given), in `dtype` (None: the
+        LM head's own)."""
+        z = (self.lm_head if head is None else head)(self.norm(h).to(self.embed_tokens.weight.dtype))
         return z if dtype is None else z.to(dtype)
 
 

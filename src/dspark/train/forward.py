@@ -1,7 +1,8 @@
 """The drafters' teacher-forced forwards over packed anchors, returning q's logits, confidence logits and the
 target's p at the same positions. DSpark/DFlash: the backbone on every block at once, then the sequential
 head left to right with the target's own tokens as x_{k-1}. Eagle3-style/MTP: γ unrolled steps, each
-feeding its hidden state to the next (Eagle3's training-time test)."""
+feeding its hidden state to the next (Eagle3's training-time test). With a draft vocabulary (TrainingVocab) the
+drafter's logits, W2 and the target's logits are its columns only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,11 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..draft.draft_vocab import TrainingVocab
 from ..draft.dspark_model import DSparkModel
 from ..draft.eagle3_model import Eagle3Model
 from ..target.model import TargetModel
 from .anchors import AnchorBatch, dense_attend
 from .features import SequenceFeatures
+from .losses import dspark_loss
 
 
 @dataclass
@@ -27,6 +30,7 @@ class BlockOutputs:
     labels: torch.Tensor  # [M, γ]
     valid: torch.Tensor  # [M]
     temperature: float = 1.0
+    lse: torch.Tensor | None = None  # [M, γ] over a draft vocabulary: t / T's log-normaliser over the whole one
 
     @property
     def logits(self) -> torch.Tensor:
@@ -37,19 +41,29 @@ class BlockOutputs:
     @property
     def p(self) -> torch.Tensor:
         """The target's probabilities [M, γ, V] in float32, whole (for inspection)."""
-        return (self.t.float() / self.temperature).softmax(-1)
+        x = self.t.float() / self.temperature
+        return x.softmax(-1) if self.lse is None else (x - self.lse[..., None]).exp()
+
+    def loss(self):
+        return dspark_loss(self.U, self.t, self.labels, self.conf_logits, self.valid, self.temperature, self.markov,
+                           self.lse)
 
 
-def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
-                anchors: AnchorBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's logits [M, γ, V] (its own dtype) and own tokens x_{a+k} [M, γ] for every block."""
+def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures, anchors: AnchorBatch,
+                vocab: TrainingVocab | None, temperature: float):
+    """The target's logits [M, γ, V] (its own dtype), own tokens x_{a+k} [M, γ] for every block, and None; over a
+    draft vocabulary its columns, indices into it, and the log-normaliser [M, γ] of t / T."""
     B, L = tokens.shape
     rows = anchors.rows()
     bidx = torch.arange(B)[:, None, None]
     hidden = feats.hidden[bidx, rows].reshape(-1, feats.hidden.shape[-1])
     t = target.logits(hidden, dtype=None)
-    labels = tokens[bidx, (rows + 1).clamp(max=L - 1)]
-    return t.view(*labels.shape[:2], anchors.block_size, -1).flatten(0, 1), labels.flatten(0, 1)
+    labels = tokens[bidx, (rows + 1).clamp(max=L - 1)].flatten()
+    lse = None
+    if vocab is not None:
+        t, labels, lse = vocab.columns(t, labels, temperature)
+    M = B * rows.shape[1]
+    return t.view(M, anchors.block_size, -1), labels.view(M, -1), None if lse is None else lse.view(M, -1)
 
 
 def forward_for(model) -> callable:
@@ -57,14 +71,14 @@ def forward_for(model) -> callable:
 
 
 def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
-                  anchors: AnchorBatch, temperature: float = 1.0) -> BlockOutputs:
+                  anchors: AnchorBatch, temperature: float = 1.0, vocab: TrainingVocab | None = None) -> BlockOutputs:
     """tokens [B, L] (padded); feats from target_features over the same sequences."""
     B, L = tokens.shape
     G = model.block_size
     rows = anchors.rows()  # [B, N, γ] positions a..a+γ-1
     N = rows.shape[1]
     bidx = torch.arange(B)[:, None, None]
-    t, labels = target_side(target, tokens, feats, anchors)
+    t, labels, lse = target_side(target, tokens, feats, anchors, vocab, temperature)
     prev = tokens[bidx, rows].reshape(B * N, G)  # x_{a+k-1}; x_a is the anchor
     h_ctx = model.context(feats.features.reshape(B * L, -1))
     ctx_pos = torch.arange(L).repeat(B)
@@ -73,16 +87,19 @@ def block_forward(model: DSparkModel, target: TargetModel, tokens: torch.Tensor,
     block[..., 0] = tokens[bidx[..., 0], anchors.anchors]
     h = model.backbone(block.flatten(), rows.flatten(), dense_attend(ctx_kv, anchors.mask(L)))
     h = h.view(B * N, G, -1)
-    U = model.base_logits(h, dtype=None)  # [M, γ, V]
+    U = model.base_logits(h, dtype=None, head=None if vocab is None else vocab.head)  # [M, γ, V]
     state = model.markov_head.initial_state(B * N, h) if model.markov_head is not None else None
     us, confs = [], []
     for k in range(G):
         u, c, state = model.head_inputs(prev[:, k], h[:, k], state)
         us.append(u)
         confs.append(c)
-    markov = (torch.stack(us, 1), model.markov_head.markov_w2.weight) if us[0] is not None else None
+    markov = None
+    if us[0] is not None:
+        w2 = model.markov_head.markov_w2.weight
+        markov = (torch.stack(us, 1), w2 if vocab is None else vocab.rows(w2))
     conf = torch.stack(confs, 1) if confs[0] is not None else None
-    return BlockOutputs(U, markov, conf, t, labels, anchors.valid.flatten(), temperature)
+    return BlockOutputs(U, markov, conf, t, labels, anchors.valid.flatten(), temperature, lse)
 
 
 def unrolled_attend(ctx_kv: tuple[torch.Tensor, torch.Tensor], ctx_mask: torch.Tensor):
@@ -107,13 +124,13 @@ def unrolled_attend(ctx_kv: tuple[torch.Tensor, torch.Tensor], ctx_mask: torch.T
 
 
 def eagle3_forward(model: Eagle3Model, target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures,
-                   anchors: AnchorBatch, temperature: float = 1.0) -> BlockOutputs:
+                   anchors: AnchorBatch, temperature: float = 1.0, vocab: TrainingVocab | None = None) -> BlockOutputs:
     """Step k reads x_{a+k-1} (the target's own token) and the previous step's hidden state (g_{a-1} for
     the first), at position a+k-1; the context holds x_t with g_{t-1} for t < a."""
     B, L = tokens.shape
     rows = anchors.rows()
     bidx = torch.arange(B)[:, None]
-    t, labels = target_side(target, tokens, feats, anchors)
+    t, labels, lse = target_side(target, tokens, feats, anchors, vocab, temperature)
     g = model.fuse(feats.features.reshape(B * L, -1)).view(B, L, -1)
     g_prev = torch.cat([g.new_zeros(B, 1, g.shape[-1]), g[:, :-1]], 1)
     (k, v), = model.context_kv(tokens.flatten(), g_prev.flatten(0, 1), torch.arange(L).repeat(B))
@@ -124,5 +141,5 @@ def eagle3_forward(model: Eagle3Model, target: TargetModel, tokens: torch.Tensor
     for step in range(model.block_size):
         pos = rows[..., step]
         h = model.step(tokens[bidx, pos].flatten(), h, pos.flatten(), attend)
-        logits.append(model.draft_logits(h, dtype=None))
-    return BlockOutputs(torch.stack(logits, 1), None, None, t, labels, anchors.valid.flatten(), temperature)
+        logits.append(model.draft_logits(h, dtype=None, head=None if vocab is None else vocab.head))
+    return BlockOutputs(torch.stack(logits, 1), None, None, t, labels, anchors.valid.flatten(), temperature, lse)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..draft.checkpoint import _atomic_write, draft_config, load_drafter, save_drafter
+from ..draft.draft_vocab import DRAFT_VOCAB_FILE, TrainingVocab, answer_vocab, save_draft_vocab
 from ..draft.dspark_model import DSparkModel
 from ..draft.eagle3_model import Eagle3Model, eagle3_config
 from ..target.loading import load_target
@@ -30,7 +31,6 @@ from .anchors import sample_anchors
 from .feature_cache import FeatureCache
 from .features import target_features
 from .forward import forward_for
-from .losses import dspark_loss
 
 
 @dataclass
@@ -46,6 +46,7 @@ class TrainConfig:
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence: bool = True
     feature_cache: str | None = None  # folder from `dspark features`; None: target features online
+    draft_vocab: int = 0  # train over the N most frequent answer tokens (draft_vocab.py); 0: the whole vocabulary
     init: str = "target"  # target: backbone from the target's last layers | small: N(0, 0.02) weights
     num_anchors: int = 32
     max_len: int = 512
@@ -80,7 +81,8 @@ def load_sequences(path: str, max_len: int) -> list[dict]:
                     continue
                 seen.add(r["id"])
                 ids = (r["prompt_ids"] + r["answer_ids"])[:max_len]
-                recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1})
+                recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1,
+                             "answer": r["answer_ids"]})
     if not recs:
         raise ValueError(f"no training records in {path}")
     return recs
@@ -186,11 +188,27 @@ class Trainer:
             if cfg.target_dtype != "bf16":
                 raise ValueError("the feature cache holds bf16 target features: train with target_dtype bf16")
             self.cache = FeatureCache(cfg.feature_cache, self.model.target_layer_ids, cfg.max_len)
+        self.vocab = self._training_vocab() if cfg.draft_vocab else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
         if self.state_path.is_file():
             self._resume()
+
+    def _training_vocab(self) -> TrainingVocab:
+        """The draft vocabulary of the training answers (held-out ones excluded), written beside the weights at
+        the start, so that inference drafts from the tokens trained on; a resumed run reads it back."""
+        path = self.out / DRAFT_VOCAB_FILE
+        if self.state_path.is_file():
+            ids = json.loads(path.read_text())["ids"]
+            if len(ids) != self.cfg.draft_vocab:
+                raise ValueError(f"{path} holds {len(ids)} tokens, not --draft-vocab {self.cfg.draft_vocab}")
+        else:
+            ids = answer_vocab([r["answer"] for r in self.train_recs], self.cfg.draft_vocab, self.model.config)
+            if self.rank == 0:
+                self.out.mkdir(parents=True, exist_ok=True)
+                save_draft_vocab(self.out, ids, {"data": str(self.cfg.data), "answers": len(self.train_recs)})
+        return TrainingVocab(torch.tensor(ids), self.model.lm_head)
 
     # ---- schedule and data order ----------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -226,8 +244,8 @@ class Trainer:
         anchors = sample_anchors(feats.lengths, [r["start"] for r in recs], self.cfg.num_anchors,
                                  self.model.block_size, gens)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
-            out = forward_for(self.model)(self.model, self.target, tokens, feats, anchors)
-        return dspark_loss(out.U, out.t, out.labels, out.conf_logits, out.valid, out.temperature, out.markov)
+            out = forward_for(self.model)(self.model, self.target, tokens, feats, anchors, vocab=self.vocab)
+        return out.loss()
 
     def train_step(self) -> dict:
         recs = self.batch_records(self.step)

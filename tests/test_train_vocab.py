@@ -1,0 +1,128 @@
+"""Training over a draft vocabulary (draft_vocab.TrainingVocab, `dspark train --draft-vocab N`): the loss's terms
+over its columns equal the whole-vocabulary formula with q zero outside it, and their hand-written backward equals
+finite differences; the whole vocabulary given as a draft vocabulary trains exactly as none; the training forward's
+q over a draft vocabulary is the q that the drafter cut to it drafts from; the trainer writes the vocabulary beside
+the weights, trains only its rows of W2, and resumes with it.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_draft_vocab import IDS
+from test_drafter import committed_request, sequence
+from test_eagle3 import tiny_eagle
+from test_train import train_config, train_data
+from tiny_models import VOCAB, one_thread, tiny_drafter, tiny_target, tiny_target_dir
+
+from dspark import SamplingParams
+from dspark.draft.draft_vocab import TrainingVocab, load_draft_vocab, restrict
+from dspark.draft.dspark import DSparkDrafter
+from dspark.train.anchors import AnchorBatch
+from dspark.train.features import target_features
+from dspark.train.forward import block_forward, forward_for
+from dspark.train.losses import CHUNK, RowTerms
+from dspark.train.trainer import Trainer
+
+__all__ = ["one_thread", "tiny_target", "tiny_target_dir", "train_data"]  # fixtures used here
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_row_terms_over_a_draft_vocabulary_equal_the_whole_vocabulary_formula():
+    """CE and ‖q - p‖₁ from the vocabulary's columns and the whole vocabulary's log-normaliser equal the formula
+    over the whole vocabulary with q = softmax(U + u W2ᵀ) there and zero elsewhere, p = softmax(t / T) (the
+    target's mass outside counts), CE 0 for a label outside; the backward equals finite differences."""
+    g = torch.Generator().manual_seed(0)
+    N, V, r, T = 2 * CHUNK + 3, 13, 3, 0.7
+    ids = torch.tensor([0, 2, 3, 7, 9, 12])
+    vocab = TrainingVocab(ids, torch.nn.Linear(4, V, bias=False).double())
+    t = torch.randn(N, V, generator=g, dtype=torch.double) * 2
+    labels = torch.randint(V, (N,), generator=g)
+    U = torch.randn(N, len(ids), generator=g, dtype=torch.double).requires_grad_()
+    u = torch.randn(N, r, generator=g, dtype=torch.double).requires_grad_()
+    w2 = torch.randn(len(ids), r, generator=g, dtype=torch.double).requires_grad_()
+    t_cols, cols, lse = vocab.columns(t, labels, T)
+    assert torch.equal(t_cols, t[:, ids]) and bool((cols >= 0).any()) and bool((cols < 0).any())
+    ce, l1 = RowTerms.apply(U, t_cols, cols, T, u, w2, lse)
+    z = U + u @ w2.t()
+    q = torch.zeros(N, V, dtype=torch.double)
+    q[:, ids] = z.detach().softmax(-1)
+    p = (t / T).softmax(-1)
+    torch.testing.assert_close(l1.detach(), (q - p).abs().sum(-1), rtol=1e-6, atol=1e-6)
+    inside = torch.isin(labels, ids)
+    want_ce = -q.gather(-1, labels[:, None]).squeeze(-1).log()
+    torch.testing.assert_close(ce.detach()[inside], want_ce[inside])
+    assert not ce[~inside].any()
+    assert torch.autograd.gradcheck(lambda *x: RowTerms.apply(x[0], t_cols, cols, T, *x[1:], lse), (U, u, w2))
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "eagle3"])
+def test_the_whole_vocabulary_as_a_draft_vocabulary_trains_as_none(tiny_target, kind):
+    model = tiny_eagle(tiny_target) if kind == "eagle3" else tiny_drafter(tiny_target, kind, seed=3)
+    seqs = [sequence(24, 1), sequence(24, 2)]
+    feats = target_features(tiny_target, seqs, model.target_layer_ids)
+    anchors = AnchorBatch(torch.tensor([[4, 12], [9, 15]]), torch.ones(2, 2, dtype=torch.bool), model.block_size)
+    results = []
+    for vocab in (None, TrainingVocab(torch.arange(VOCAB), model.lm_head)):
+        model.zero_grad(set_to_none=True)
+        parts = forward_for(model)(model, tiny_target, torch.tensor(seqs), feats, anchors, vocab=vocab).loss()
+        parts.total.backward()
+        results.append((parts, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    for name in ("total", "ce", "tv", "conf", "tau"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "dflash"])
+def test_training_q_over_a_draft_vocabulary_is_what_the_cut_drafter_drafts_from(tiny_target, kind):
+    """The teacher-forced forward over the draft vocabulary (the drafts spliced in after the anchor) gives the q
+    and confidences that the drafter cut to the same vocabulary drafted from at temperature 1; its p is the
+    target's whole-vocabulary distribution at those columns."""
+    trained, cut = tiny_drafter(tiny_target, kind, seed=3), tiny_drafter(tiny_target, kind, seed=3)
+    restrict(cut, IDS)
+    drafter = DSparkDrafter(cut)
+    seq, a, G = sequence(24, 4), 11, cut.block_size
+    feats = target_features(tiny_target, [seq], cut.target_layer_ids)
+    got = drafter.propose([committed_request(drafter, 0, feats.features[0, :a], seq[a],
+                                             SamplingParams(temperature=1.0, seed=5))])
+    spliced = seq[:a + 1] + got.tokens[0].tolist() + seq[a + 1 + G:]
+    out = block_forward(trained, tiny_target, torch.tensor([spliced]), feats,
+                        AnchorBatch(torch.tensor([[a]]), torch.tensor([[True]]), G),
+                        vocab=TrainingVocab(IDS, trained.lm_head))
+    torch.testing.assert_close(out.logits.softmax(-1), got.q[..., IDS], rtol=1e-4, atol=1e-6)
+    if kind != "dflash":
+        torch.testing.assert_close(torch.sigmoid(out.conf_logits), got.confidence, rtol=1e-5, atol=1e-6)
+    whole = tiny_target.logits(feats.hidden[0, a:a + G]).softmax(-1)
+    torch.testing.assert_close(out.p[0], whole[:, IDS], rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_target_dir, train_data, tmp_path):
+    """The vocabulary is the end id and the most frequent tokens of the training answers (held-out ones left out),
+    written beside the weights; W2 starts at zero and only its rows move; a resumed run reads it back and
+    refuses another size."""
+    cfg = train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla", draft_vocab=32,
+                       steps=2)
+    trainer = Trainer(cfg)
+    trainer.fit()
+    held_out = {r["id"] for r in trainer.eval_recs}
+    records = [json.loads(line) for line in open(train_data)]
+    answers = [r["answer_ids"] for r in records if r["id"] not in held_out]
+    assert held_out and len(answers) == len(records) - len(held_out)
+    counts = torch.bincount(torch.tensor([t for a in answers for t in a]), minlength=VOCAB)
+    ids = load_draft_vocab(tmp_path / "run", VOCAB)
+    assert ids is not None and len(ids) == 32 and 1 in ids.tolist()  # the end id always
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[ids] = False
+    assert counts[ids[ids != 1]].min() >= counts[outside].max()
+    w2 = load_file(tmp_path / "run" / "model.safetensors")["markov_head.markov_w2.weight"]
+    assert not w2[outside].any() and bool(w2[ids].any())
+    resumed = Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
+                                   draft_vocab=32, steps=3))
+    assert resumed.step == 2 and torch.equal(resumed.vocab.ids, ids)
+    with pytest.raises(ValueError, match="holds 32 tokens"):
+        Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
+                             draft_vocab=48))
