@@ -2,7 +2,9 @@
 (drafters/README.md: 2 layers, Markov rank 32, 4 sequences x 32 anchors of block 7, at most 640 tokens, one
 thread, the target in bf16). With --baseline-src, the same steps also run on another checkout's `src`
 folder (for example `git worktree add /tmp/base <commit>`), the two trees alternating round by round in
-fresh processes, so a change's gain is measured side by side on one machine.
+fresh processes, so a change's gain is measured side by side on one machine. With --variant NAME=JSON (repeated)
+each tree also runs under other training settings (for example `vocab={"draft_vocab": 8192}`), side by side the
+same way; every row's `first_over_this` is the first system's median over its own.
 
 Needs the training answers: `python drafters/training_answers.py unpack --out train.jsonl` (and, for the
 settings of the committed drafters, the feature cache of drafters/README.md).
@@ -37,6 +39,10 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=2, help="fresh processes per tree and drafter type")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline-src", default=None, help="another checkout's src folder to time alongside")
+    p.add_argument("--variant", action="append", default=None, metavar="NAME=JSON",
+                   help="training settings to time alongside, e.g. 'vocab={\"draft_vocab\": 8192}' (repeatable; "
+                        "default: one variant, the settings above)")
+    p.add_argument("--extra", default="{}", help=argparse.SUPPRESS)  # internal: a worker's variant settings
     p.add_argument("--out", default=str(RESULTS_DIR / "train_step"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one process's timing
     return p.parse_args(argv)
@@ -54,7 +60,7 @@ def worker(args) -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(data=args.data, out=out, target=args.target, drafter_type=kind,
                           feature_cache=args.feature_cache, steps=1000, save_every=10**6, eval_every=10**6,
-                          **SETTINGS, **extra)
+                          **{**SETTINGS, **extra, **json.loads(args.extra)})
         trainer = Trainer(cfg)
         trainer.train_step()
         seconds, loss = [], None
@@ -65,9 +71,9 @@ def worker(args) -> None:
     print(json.dumps({"seconds": seconds, "loss": loss}), flush=True)
 
 
-def run_worker(src: Path, kind: str, args) -> dict:
+def run_worker(src: Path, kind: str, extra: dict, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--data", args.data, "--steps", str(args.steps),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--extra", json.dumps(extra)]
     cmd += [x for opt in ("feature_cache", "target") if getattr(args, opt)
             for x in ("--" + opt.replace("_", "-"), getattr(args, opt))]
     env = {**os.environ, "PYTHONPATH": str(src)}
@@ -78,9 +84,7 @@ def run_worker(src: Path, kind: str, args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    cols = ["drafter", "tree", "s_per_step", "min", "max", "steps", "loss_after"]
-    if result["baseline_src"]:
-        cols.append("baseline_over_this")
+    cols = ["drafter", "tree", "variant", "s_per_step", "min", "max", "steps", "loss_after", "first_over_this"]
     return (result_preamble(result) + f"\nbaseline: {result['baseline_src'] or 'none'}\n\n"
             + markdown_table(result["rows"], cols) + "\n")
 
@@ -101,34 +105,44 @@ def main(argv=None) -> int:
         trees["baseline"] = Path(args.baseline_src).resolve()
         if not (trees["baseline"] / "dspark").is_dir():
             raise SystemExit(f"--baseline-src must be a src folder holding dspark/: {trees['baseline']}")
+    variants = dict(parse_variant(v) for v in args.variant) if args.variant else {"default": {}}
     kinds = args.drafter_types.split(",")
-    times = {(k, t): [] for k in kinds for t in trees}
+    systems = [(t, v) for t in trees for v in variants]
+    times = {(k, s): [] for k in kinds for s in systems}
     losses = {}
     for r in range(args.rounds):
         for kind in kinds:
-            order = list(trees) if r % 2 == 0 else list(trees)[::-1]
-            for tree in order:
-                got = run_worker(trees[tree], kind, args)
-                times[kind, tree] += got["seconds"]
-                losses[kind, tree] = got["loss"]
-                log(f"round {r + 1} {kind} {tree}: median {statistics.median(got['seconds']):.2f} s/step")
+            for tree, variant in (systems if r % 2 == 0 else systems[::-1]):
+                got = run_worker(trees[tree], kind, variants[variant], args)
+                times[kind, (tree, variant)] += got["seconds"]
+                losses[kind, (tree, variant)] = got["loss"]
+                log(f"round {r + 1} {kind} {tree} {variant}: median {statistics.median(got['seconds']):.2f} s/step")
     rows = []
     for kind in kinds:
-        for tree in trees:
-            s = times[kind, tree]
-            row = {"drafter": kind, "tree": tree, "s_per_step": statistics.median(s), "min": min(s), "max": max(s),
-                   "steps": len(s), "loss_after": losses[kind, tree]}
-            if args.baseline_src:
-                row["baseline_over_this"] = statistics.median(times[kind, "baseline"]) / statistics.median(
-                    times[kind, "this"])
-            rows.append(row)
+        first = statistics.median(times[kind, systems[0]])
+        for tree, variant in systems:
+            s = times[kind, (tree, variant)]
+            rows.append({"drafter": kind, "tree": tree, "variant": variant, "s_per_step": statistics.median(s),
+                         "min": min(s), "max": max(s), "steps": len(s), "loss_after": losses[kind, (tree, variant)],
+                         "first_over_this": first / statistics.median(s)})
     result = {**result_header("train_step", __file__, argv if argv is not None else sys.argv[1:]),
               "settings": {**SETTINGS, "threads": args.threads, "feature_cache": bool(args.feature_cache),
                            "target": args.target or "bundled"},
-              "baseline_src": str(args.baseline_src or ""), "rows": rows}
+              "baseline_src": str(args.baseline_src or ""), "variants": variants, "rows": rows}
     json_path, md_path = write_result(args.out, result, markdown(result))
     log(f"wrote {json_path} and {md_path}")
     return 0
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, sep, settings = text.partition("=")
+    try:
+        extra = json.loads(settings) if sep else None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--variant {text!r}: the settings are not JSON ({e})")
+    if not name or not isinstance(extra, dict):
+        raise SystemExit(f"--variant must be NAME=JSON object, got {text!r}")
+    return name, extra
 
 
 if __name__ == "__main__":

@@ -181,19 +181,26 @@ def test_serve_load_quick_loses_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_step_times_two_trees_side_by_side(tmp_path, tiny_target_dir):
-    """Both trees (here the same src) train the same steps: rows per drafter and tree, equal losses, a ratio."""
+def test_train_step_times_trees_and_variants_side_by_side(tmp_path, tiny_target_dir):
+    """Both trees (here the same src) train the same steps, each also over a draft vocabulary: rows per drafter,
+    tree and variant, equal losses across trees, another loss over the vocabulary, ratios to the first."""
     data = write_train_data(tmp_path / "data.jsonl", [(4 + i % 5, 30 + i) for i in range(24)])
     out = tmp_path / "steps"
     src = Path(__file__).resolve().parent.parent / "src"
     argv = ["--data", str(data), "--target", str(tiny_target_dir), "--drafter-types", "dspark,mtp", "--steps", "1",
-            "--rounds", "1", "--baseline-src", str(src), "--out", str(out)]
+            "--rounds", "1", "--baseline-src", str(src), "--variant", "whole={}",
+            "--variant", 'vocab={"draft_vocab": 32}', "--out", str(out)]
     assert run_script("train_step.py", argv) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [(r["drafter"], r["tree"]) for r in rows] == [("dspark", "this"), ("dspark", "baseline"), ("mtp", "this"),
-                                                         ("mtp", "baseline")]
-    for this, base in (rows[:2], rows[2:]):
-        assert this["loss_after"] == base["loss_after"] and this["s_per_step"] > 0 and this["baseline_over_this"] > 0
+    systems = [("this", "whole"), ("this", "vocab"), ("baseline", "whole"), ("baseline", "vocab")]
+    assert [(r["drafter"], r["tree"], r["variant"]) for r in rows] == [(k, *s) for k in ("dspark", "mtp")
+                                                                       for s in systems]
+    for kind in (rows[:4], rows[4:]):
+        assert [r["loss_after"] == kind[0]["loss_after"] for r in kind] == [True, False, True, False]
+        assert kind[1]["loss_after"] == kind[3]["loss_after"]
+        assert kind[0]["first_over_this"] == 1.0 and all(r["s_per_step"] > 0 for r in kind)
+    with pytest.raises(SystemExit, match="NAME=JSON"):
+        run_script("train_step.py", [*argv[:-2], "--variant", "bad", "--out", str(out)])
 
 
 @pytest.mark.slow
