@@ -41,7 +41,7 @@ def parse_args(argv):
     p.add_argument("--baseline-src", default=None, help="another checkout's src folder to time alongside")
     p.add_argument("--variant", action="append", default=None, metavar="NAME=JSON",
                    help="training settings to time alongside, e.g. 'vocab={\"draft_vocab\": 8192}' (repeatable; "
-                        "default: one variant, the settings above)")
+                        "default: one variant, the settings above; a --baseline-src tree must know the settings)")
     p.add_argument("--extra", default="{}", help=argparse.SUPPRESS)  # internal: a worker's variant settings
     p.add_argument("--out", default=str(RESULTS_DIR / "train_step"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one process's timing

@@ -18,11 +18,13 @@ from test_train import train_config, train_data
 from tiny_models import VOCAB, one_thread, tiny_drafter, tiny_target, tiny_target_dir
 
 from dspark import SamplingParams
+from dspark.cli import main
 from dspark.draft.draft_vocab import TrainingVocab, load_draft_vocab, restrict
 from dspark.draft.dspark import DSparkDrafter
+from dspark.draft.eagle3 import Eagle3Drafter
 from dspark.train.anchors import AnchorBatch
 from dspark.train.features import target_features
-from dspark.train.forward import block_forward, forward_for
+from dspark.train.forward import forward_for
 from dspark.train.losses import CHUNK, RowTerms
 from dspark.train.trainer import Trainer
 
@@ -77,33 +79,40 @@ def test_the_whole_vocabulary_as_a_draft_vocabulary_trains_as_none(tiny_target, 
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "dflash"])
+@pytest.mark.parametrize("kind", ["vanilla", "dflash", "eagle3", "mtp"])
 def test_training_q_over_a_draft_vocabulary_is_what_the_cut_drafter_drafts_from(tiny_target, kind):
     """The teacher-forced forward over the draft vocabulary (the drafts spliced in after the anchor) gives the q
     and confidences that the drafter cut to the same vocabulary drafted from at temperature 1; its p is the
     target's whole-vocabulary distribution at those columns."""
-    trained, cut = tiny_drafter(tiny_target, kind, seed=3), tiny_drafter(tiny_target, kind, seed=3)
+    eagle = kind in ("eagle3", "mtp")
+
+    def make():
+        return tiny_eagle(tiny_target, kind, seed=3) if eagle else tiny_drafter(tiny_target, kind, seed=3)
+
+    trained, cut = make(), make()
     restrict(cut, IDS)
-    drafter = DSparkDrafter(cut)
+    drafter = Eagle3Drafter(cut) if eagle else DSparkDrafter(cut)
     seq, a, G = sequence(24, 4), 11, cut.block_size
     feats = target_features(tiny_target, [seq], cut.target_layer_ids)
     got = drafter.propose([committed_request(drafter, 0, feats.features[0, :a], seq[a],
-                                             SamplingParams(temperature=1.0, seed=5))])
+                                             SamplingParams(temperature=1.0, seed=5), context=seq[:a])])
     spliced = seq[:a + 1] + got.tokens[0].tolist() + seq[a + 1 + G:]
-    out = block_forward(trained, tiny_target, torch.tensor([spliced]), feats,
-                        AnchorBatch(torch.tensor([[a]]), torch.tensor([[True]]), G),
-                        vocab=TrainingVocab(IDS, trained.lm_head))
+    out = forward_for(trained)(trained, tiny_target, torch.tensor([spliced]), feats,
+                               AnchorBatch(torch.tensor([[a]]), torch.tensor([[True]]), G),
+                               vocab=TrainingVocab(IDS, trained.lm_head))
     torch.testing.assert_close(out.logits.softmax(-1), got.q[..., IDS], rtol=1e-4, atol=1e-6)
-    if kind != "dflash":
+    if out.conf_logits is not None:
         torch.testing.assert_close(torch.sigmoid(out.conf_logits), got.confidence, rtol=1e-5, atol=1e-6)
     whole = tiny_target.logits(feats.hidden[0, a:a + G]).softmax(-1)
     torch.testing.assert_close(out.p[0], whole[:, IDS], rtol=1e-5, atol=1e-7)
 
 
-def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_target_dir, train_data, tmp_path):
+def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_target_dir, train_data, tmp_path,
+                                                                       capsys):
     """The vocabulary is the end id and the most frequent tokens of the training answers (held-out ones left out),
-    written beside the weights; W2 starts at zero and only its rows move; a resumed run reads it back and
-    refuses another size."""
+    written beside the weights (marked as trained over, so `dspark draft-vocab` will not replace it); W2 starts at
+    zero and only its rows move; a resumed run reads it back and refuses another size, none, or one where the run
+    began over the whole vocabulary."""
     cfg = train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla", draft_vocab=32,
                        steps=2)
     trainer = Trainer(cfg)
@@ -123,6 +132,15 @@ def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_targe
     resumed = Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
                                    draft_vocab=32, steps=3))
     assert resumed.step == 2 and torch.equal(resumed.vocab.ids, ids)
-    with pytest.raises(ValueError, match="holds 32 tokens"):
-        Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
-                             draft_vocab=48))
+    assert json.loads((tmp_path / "run" / "draft_vocab.json").read_text())["trained"] is True
+    for size, refusal in ((48, "holds 32 tokens"), (0, "--draft-vocab 32")):
+        with pytest.raises(ValueError, match=refusal):
+            Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
+                                 draft_vocab=size))
+    assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "16"]) == 2
+    assert "trained over a draft vocabulary" in capsys.readouterr().err  # dspark draft-vocab keeps it
+    assert torch.equal(load_draft_vocab(tmp_path / "run", VOCAB), ids)
+    whole = tmp_path / "whole"
+    Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", steps=1)).fit()
+    with pytest.raises(ValueError, match="over the whole vocabulary"):
+        Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", draft_vocab=32, steps=2))

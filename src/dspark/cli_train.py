@@ -77,9 +77,10 @@ TRAIN_HELP = {
     "drafter_type": "dspark (backbone + sequential and confidence heads), dflash (the backbone alone), eagle3 "
                     "(Eagle3-style autoregressive, one layer) or mtp (MTP-1: last target layer, one draft)",
     "feature_cache": "folder of cached target features from `dspark features` (default: computed online)",
-    "draft_vocab": "train over a draft vocabulary: the N most frequent tokens of the training answers (a multiple "
-                   "of 16; written to OUT/draft_vocab.json, which inference then drafts from); the LM-head product "
-                   "and the loss shrink to its columns. 0 = the whole vocabulary",
+    "draft_vocab": "train over a draft vocabulary of N tokens (a multiple of 16): the end-of-turn id and the most "
+                   "frequent tokens of the training answers (held-out ones excluded), written to OUT/draft_vocab.json, "
+                   "which inference then drafts from; the LM-head product and the loss shrink to its columns. A "
+                   "resumed run must give the same N. 0 = the whole vocabulary",
     "num_layers": "drafter backbone layers (dspark, dflash)",
     "init": "target (backbone from the target's last layers) or small (N(0, 0.02) weights)",
     "block_size": "γ, drafts per block",
@@ -233,9 +234,13 @@ def cmd_draft_vocab(args) -> int:
     import json
     from pathlib import Path
 
-    from .draft.draft_vocab import answer_vocab, save_draft_vocab
+    from .draft.draft_vocab import DRAFT_VOCAB_FILE, answer_vocab, save_draft_vocab
 
     config = json.loads((Path(args.drafter) / "config.json").read_text())
+    existing = Path(args.drafter) / DRAFT_VOCAB_FILE
+    if existing.is_file() and json.loads(existing.read_text()).get("trained"):
+        raise ValueError(f"{args.drafter} was trained over a draft vocabulary ({existing}): its W2 rows outside it "
+                         "were never trained, so it keeps that one")
     with open(args.data) as f:
         answers = [json.loads(line)["answer_ids"] for line in f if line.strip()]
     total = sum(len(a) for a in answers)
@@ -257,7 +262,8 @@ def add_draft_vocab_parser(sub):
                                     "frequent in the training answers. At load the drafter's LM head and Markov W2 "
                                     "keep only their rows, so drafting is cheaper; drafts never leave it, and q stays "
                                     "exactly what they are sampled from, so decoding stays lossless. "
-                                    "DSPARK_DRAFT_VOCAB=0 ignores the file.")
+                                    "DSPARK_DRAFT_VOCAB=0 ignores the file. A drafter trained with --draft-vocab "
+                                    "keeps the vocabulary it was trained over (refused here).")
     dv.add_argument("--drafter", required=True, help="the drafter folder (written into)")
     dv.add_argument("--data", required=True, help="regenerated training JSONL (answer_ids), as for dspark train")
     dv.add_argument("--size", type=int, default=8192, help="tokens kept, a multiple of 16 (default: %(default)s)")

@@ -56,10 +56,11 @@ def save_draft_vocab(folder: str | Path, ids: list[int], meta: dict) -> Path:
     return path
 
 
-def load_draft_vocab(folder: str | Path, vocab_size: int) -> torch.Tensor | None:
-    """The sorted ids of the folder's draft vocabulary, or None (no file, or DSPARK_DRAFT_VOCAB=0)."""
+def load_draft_vocab(folder: str | Path, vocab_size: int, honour_env: bool = True) -> torch.Tensor | None:
+    """The sorted ids of the folder's draft vocabulary, or None (no file, or DSPARK_DRAFT_VOCAB=0 unless
+    honour_env is False)."""
     path = Path(folder) / DRAFT_VOCAB_FILE
-    if os.environ.get("DSPARK_DRAFT_VOCAB", "1") == "0" or not path.is_file():
+    if (honour_env and os.environ.get("DSPARK_DRAFT_VOCAB", "1") == "0") or not path.is_file():
         return None
     ids = torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
     if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:

@@ -22,7 +22,8 @@ from .losses import dspark_loss
 @dataclass
 class BlockOutputs:
     """q_k = softmax(U + u W2ᵀ) and p_k = softmax(t / temperature) of M = B*N blocks, kept as the LM heads
-    wrote them (the loss forms each row in float32 only as it needs it)."""
+    wrote them (the loss forms each row in float32 only as it needs it). V is the vocabulary's size, or over a
+    draft vocabulary its size: U, W2 and t hold its columns, labels index it and p there sums to at most 1."""
     U: torch.Tensor  # [M, γ, V] the drafter's logits before the Markov bias
     markov: tuple[torch.Tensor, torch.Tensor] | None  # (u [M, γ, r], W2 [V, r]) or None
     conf_logits: torch.Tensor | None  # [M, γ]
@@ -34,13 +35,14 @@ class BlockOutputs:
 
     @property
     def logits(self) -> torch.Tensor:
-        """q's logits [M, γ, V] in float32, whole (for inspection)."""
+        """q's logits [M, γ, V] in float32 (for inspection)."""
         z = self.U.float()
         return z if self.markov is None else z + self.markov[0].float() @ self.markov[1].float().t()
 
     @property
     def p(self) -> torch.Tensor:
-        """The target's probabilities [M, γ, V] in float32, whole (for inspection)."""
+        """The target's probabilities [M, γ, V] in float32 (for inspection; over a draft vocabulary its columns of
+        the whole distribution)."""
         x = self.t.float() / self.temperature
         return x.softmax(-1) if self.lse is None else (x - self.lse[..., None]).exp()
 

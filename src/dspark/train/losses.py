@@ -110,7 +110,7 @@ def dspark_loss(U: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, conf_log
     c_star = (1 - 0.5 * l1).detach().clamp(0, 1)
     conf = (F.binary_cross_entropy_with_logits(conf_logits.float(), c_star, reduction="none")
             if conf_logits is not None else torch.zeros_like(ce))
-    n = valid.sum().clamp(min=1)
+    n = valid.sum().clamp(min=1)  # a position whose label lies outside a draft vocabulary counts with CE 0
     mean = lambda x: ((x * w).sum(-1) * valid).sum() / n  # noqa: E731
     ce_l, tv_l, conf_l = mean(ce), mean(l1), mean(conf)
     total = LOSS_WEIGHTS["ce"] * ce_l + LOSS_WEIGHTS["tv"] * tv_l + LOSS_WEIGHTS["conf"] * conf_l

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..draft.checkpoint import _atomic_write, draft_config, load_drafter, save_drafter
-from ..draft.draft_vocab import DRAFT_VOCAB_FILE, TrainingVocab, answer_vocab, save_draft_vocab
+from ..draft.draft_vocab import DRAFT_VOCAB_FILE, TrainingVocab, answer_vocab, load_draft_vocab, save_draft_vocab
 from ..draft.dspark_model import DSparkModel
 from ..draft.eagle3_model import Eagle3Model, eagle3_config
 from ..target.loading import load_target
@@ -82,7 +82,7 @@ def load_sequences(path: str, max_len: int) -> list[dict]:
                 seen.add(r["id"])
                 ids = (r["prompt_ids"] + r["answer_ids"])[:max_len]
                 recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1,
-                             "answer": r["answer_ids"]})
+                             "answer": ids[len(r["prompt_ids"]):]})  # the answer tokens trained on
     if not recs:
         raise ValueError(f"no training records in {path}")
     return recs
@@ -188,6 +188,11 @@ class Trainer:
             if cfg.target_dtype != "bf16":
                 raise ValueError("the feature cache holds bf16 target features: train with target_dtype bf16")
             self.cache = FeatureCache(cfg.feature_cache, self.model.target_layer_ids, cfg.max_len)
+        trained_vocab = self.trained_vocab_size()
+        if self.state_path.is_file() and bool(cfg.draft_vocab) != bool(trained_vocab):
+            raise ValueError(f"{self.out} trains over a draft vocabulary: resume it with --draft-vocab {trained_vocab}"
+                             if trained_vocab else
+                             f"{self.out} was trained over the whole vocabulary: resume it without --draft-vocab")
         self.vocab = self._training_vocab() if cfg.draft_vocab else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -200,15 +205,23 @@ class Trainer:
         the start, so that inference drafts from the tokens trained on; a resumed run reads it back."""
         path = self.out / DRAFT_VOCAB_FILE
         if self.state_path.is_file():
-            ids = json.loads(path.read_text())["ids"]
+            ids = load_draft_vocab(self.out, self.model.c.vocab_size, honour_env=False).tolist()
             if len(ids) != self.cfg.draft_vocab:
                 raise ValueError(f"{path} holds {len(ids)} tokens, not --draft-vocab {self.cfg.draft_vocab}")
         else:
             ids = answer_vocab([r["answer"] for r in self.train_recs], self.cfg.draft_vocab, self.model.config)
             if self.rank == 0:
                 self.out.mkdir(parents=True, exist_ok=True)
-                save_draft_vocab(self.out, ids, {"data": str(self.cfg.data), "answers": len(self.train_recs)})
+                save_draft_vocab(self.out, ids, {"data": str(self.cfg.data), "answers": len(self.train_recs),
+                                                 "trained": True})
         return TrainingVocab(torch.tensor(ids), self.model.lm_head)
+
+    def trained_vocab_size(self) -> int:
+        """The size of the draft vocabulary this run's folder was trained over (0: none; a vocabulary given to it by
+        `dspark draft-vocab` is for inference only)."""
+        path = self.out / DRAFT_VOCAB_FILE
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        return len(record["ids"]) if record.get("trained") else 0
 
     # ---- schedule and data order ----------------------------------------------------------------
     def lr_at(self, step: int) -> float:
