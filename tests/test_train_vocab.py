@@ -144,3 +144,39 @@ def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_targe
     Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", steps=1)).fit()
     with pytest.raises(ValueError, match="over the whole vocabulary"):
         Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", draft_vocab=32, steps=2))
+
+
+def test_the_feature_caches_log_normaliser_trains_like_the_online_one(tiny_target_dir, train_data, tmp_path):
+    """`dspark features` stores the target logits' log-normaliser per position; training over a draft vocabulary
+    from that cache (only the vocabulary's rows of the LM head run) gives the losses and gradients of online
+    features. A cache begun without it (no "lse" in its index) still trains, computing it."""
+    cache = tmp_path / "cache"
+    assert main(["features", "--data", str(train_data), "--out", str(cache), "--target", str(tiny_target_dir),
+                 "--max-len", "64", "--batch-size", "3"]) == 0
+
+    def trainer(name, **fields):
+        return Trainer(train_config(train_data, tmp_path / name, tiny_target_dir, target_dtype="bf16",
+                                    markov_head_type="vanilla", draft_vocab=32, **fields))
+
+    online, cached = trainer("online"), trainer("cached", feature_cache=str(cache))
+    recs = online.batch_records(0)
+    feats = cached.cache.features(recs)
+    for i, n in enumerate(feats.lengths):
+        whole = online.target.logits(feats.hidden[i, :n], dtype=None).float().logsumexp(-1)
+        torch.testing.assert_close(feats.lse[i, :n], whole, rtol=0, atol=1e-5)
+    results = []
+    for run in (online, cached):
+        parts = run.losses(recs, 0)
+        parts.total.backward()
+        results.append((parts, {n: p.grad.clone() for n, p in run.model.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    for name in ("total", "ce", "tv", "conf", "tau"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=2e-3, atol=1e-4)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=2e-2, atol=1e-4)
+    index = json.loads((cache / "index.json").read_text())
+    del index["lse"]
+    (cache / "index.json").write_text(json.dumps(index))
+    old = trainer("old", feature_cache=str(cache))
+    assert old.cache.features(recs).lse is None
+    torch.testing.assert_close(old.losses(recs, 0).total, a.total, rtol=2e-3, atol=1e-4)

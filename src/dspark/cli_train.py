@@ -171,9 +171,11 @@ def cmd_features(args) -> int:
 def add_features_parser(sub):
     fe = sub.add_parser("features", help="cache target features of training data on disk (optional)",
                         description="Run the frozen target (bf16) once over a regenerated JSONL and store, per "
-                                    "sequence, the outputs of the chosen target layers and the final hidden states "
-                                    "(bf16 safetensors shards, resumable), so that `dspark train --feature-cache` "
-                                    "skips the target forward in every epoch and for every drafter.")
+                                    "sequence, the outputs of the chosen target layers, the final hidden states "
+                                    "(bf16 safetensors shards, resumable) and the log-normaliser of the target's "
+                                    "logits, so that `dspark train --feature-cache` skips the target forward in "
+                                    "every epoch and for every drafter (and, with --draft-vocab, runs only the "
+                                    "vocabulary's rows of the LM head).")
     fe.add_argument("--data", required=True, help="regenerated JSONL (dspark regenerate)")
     fe.add_argument("--out", required=True, help="cache folder")
     fe.add_argument("--layers", default=None, help="comma-separated target layers (default: DSpark's three plus "

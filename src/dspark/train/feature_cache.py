@@ -4,8 +4,11 @@ trained on the same data) skip the target forward. `dspark features` writes it; 
 
 Layout: shard-NNNNN.safetensors files of up to `shard_size` records, each record as "<id>/features"
 ([n, m·d], the outputs of the cached target layers, concatenated in `layers` order) and "<id>/hidden" ([n, d],
-final-normed hidden states), in bf16; index.json maps record ids to shards and names the layers, the
-target and max_len. Shards are written atomically, so an interrupted build resumes where it stopped.
+final-normed hidden states), in bf16, and "<id>/lse" ([n] float32, the log-normaliser of the target's logits
+there at temperature 1: training over a draft vocabulary then needs only the LM head's rows of that vocabulary);
+index.json maps record ids to shards and names the layers, the target and max_len. Shards are written atomically,
+so an interrupted build resumes where it stopped. A cache begun before the log-normaliser was stored goes on
+without it (its index has no "lse" entry) and training computes it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,13 @@ from ..target.model import TargetModel
 from .features import SequenceFeatures, target_features
 
 INDEX = "index.json"
+LSE_ROWS = 256  # positions whose logits are formed at a time for the log-normaliser
+
+
+def log_normaliser(target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+    """logsumexp of the target's logits [n, V] (its own dtype, then float32) at hidden [n, d], row chunk by chunk."""
+    return torch.cat([target.logits(hidden[i:i + LSE_ROWS], dtype=None).float().logsumexp(-1)
+                      for i in range(0, hidden.shape[0], LSE_ROWS)])
 
 
 def build_cache(target: TargetModel, records: list[dict], layers: list[int], out: str | Path, *,
@@ -32,7 +42,7 @@ def build_cache(target: TargetModel, records: list[dict], layers: list[int], out
     out.mkdir(parents=True, exist_ok=True)
     index_path = out / INDEX
     index = json.loads(index_path.read_text()) if index_path.is_file() else {
-        "layers": list(layers), "target": target_name, "max_len": max_len, "records": {}}
+        "layers": list(layers), "target": target_name, "max_len": max_len, "lse": True, "records": {}}
     if index["layers"] != list(layers) or index["max_len"] != max_len:
         raise ValueError(f"{out} caches layers {index['layers']} (max_len {index['max_len']}); asked for {layers} "
                          f"({max_len}): use another folder")
@@ -51,6 +61,8 @@ def build_cache(target: TargetModel, records: list[dict], layers: list[int], out
                 n = feats.lengths[j]
                 tensors[f"{r['id']}/features"] = feats.features[j, :n].to(torch.bfloat16).contiguous()
                 tensors[f"{r['id']}/hidden"] = feats.hidden[j, :n].to(torch.bfloat16).contiguous()
+                if index.get("lse"):
+                    tensors[f"{r['id']}/lse"] = log_normaliser(target, tensors[f"{r['id']}/hidden"])
             bar.update(len(batch))
         tmp = out / f".{name}.part"
         save_file(tensors, tmp)
@@ -75,14 +87,16 @@ class FeatureCache:
         if index["max_len"] < max_len:
             raise ValueError(f"the feature cache holds sequences cut at {index['max_len']} tokens, training asks {max_len}")
         self.records = index["records"]
+        self.has_lse = bool(index.get("lse"))
         self.columns = [index["layers"].index(layer) for layer in layer_ids]
         self.files = {}
 
     def __contains__(self, record_id: str) -> bool:
         return record_id in self.records
 
-    def get(self, record_id: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features [n, m·d] of the requested layers, hidden [n, d]), bf16 as the bf16 target gives them."""
+    def get(self, record_id: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(features [n, m·d] of the requested layers, hidden [n, d], bf16 as the bf16 target gives them, and the
+        log-normaliser [n] or None)."""
         name = self.records[record_id]
         if name not in self.files:
             self.files[name] = safe_open(str(self.folder / name), framework="pt")
@@ -91,7 +105,7 @@ class FeatureCache:
         hidden = f.get_tensor(f"{record_id}/hidden")[:n]
         d = hidden.shape[1]
         feats = feats.view(n, -1, d)[:, self.columns].reshape(n, -1)
-        return feats, hidden
+        return feats, hidden, f.get_tensor(f"{record_id}/lse")[:n] if self.has_lse else None
 
     def features(self, records: list[dict]) -> SequenceFeatures:
         """The batch's SequenceFeatures, padded like target_features pads them."""
@@ -100,6 +114,9 @@ class FeatureCache:
         L = max(lengths)
         feats = parts[0][0].new_zeros(len(records), L, parts[0][0].shape[1])
         hidden = parts[0][1].new_zeros(len(records), L, parts[0][1].shape[1])
-        for i, (f, h) in enumerate(parts):
+        lse = torch.zeros(len(records), L) if self.has_lse else None
+        for i, (f, h, z) in enumerate(parts):
             feats[i, :lengths[i]], hidden[i, :lengths[i]] = f, h
-        return SequenceFeatures(feats, hidden, lengths)
+            if lse is not None:
+                lse[i, :lengths[i]] = z
+        return SequenceFeatures(feats, hidden, lengths, lse)

@@ -16,6 +16,7 @@ class SequenceFeatures:
     features: torch.Tensor  # [B, L, m*d] context features (zero past each sequence's end)
     hidden: torch.Tensor  # [B, L, d] final-normed hidden states
     lengths: list[int]
+    lse: torch.Tensor | None = None  # [B, L] the target logits' log-normaliser at temperature 1 (from the cache)
 
 
 def target_features(target: TargetModel, sequences: list[list[int]], layer_ids: tuple[int, ...]) -> SequenceFeatures:

@@ -54,16 +54,20 @@ class BlockOutputs:
 def target_side(target: TargetModel, tokens: torch.Tensor, feats: SequenceFeatures, anchors: AnchorBatch,
                 vocab: TrainingVocab | None, temperature: float):
     """The target's logits [M, γ, V] (its own dtype), own tokens x_{a+k} [M, γ] for every block, and None; over a
-    draft vocabulary its columns, indices into it, and the log-normaliser [M, γ] of t / T."""
+    draft vocabulary its columns, indices into it, and the log-normaliser [M, γ] of t / T (read from the feature
+    cache where it holds one, at temperature 1: then only the vocabulary's rows of the LM head run)."""
     B, L = tokens.shape
     rows = anchors.rows()
     bidx = torch.arange(B)[:, None, None]
     hidden = feats.hidden[bidx, rows].reshape(-1, feats.hidden.shape[-1])
-    t = target.logits(hidden, dtype=None)
     labels = tokens[bidx, (rows + 1).clamp(max=L - 1)].flatten()
     lse = None
-    if vocab is not None:
-        t, labels, lse = vocab.columns(t, labels, temperature)
+    if vocab is not None and feats.lse is not None and temperature == 1.0:
+        t, labels, lse = vocab.head(hidden), vocab.index[labels], feats.lse[bidx, rows].flatten()
+    else:
+        t = target.logits(hidden, dtype=None)
+        if vocab is not None:
+            t, labels, lse = vocab.columns(t, labels, temperature)
     M = B * rows.shape[1]
     return t.view(M, anchors.block_size, -1), labels.view(M, -1), None if lse is None else lse.view(M, -1)
 
