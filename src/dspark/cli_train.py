@@ -148,6 +148,8 @@ def add_train_parser(sub):
 
 
 def cmd_features(args) -> int:
+    import json
+
     import torch
 
     from .draft.checkpoint import build_target_layer_ids
@@ -165,6 +167,9 @@ def cmd_features(args) -> int:
     out = build_cache(target, records, layers, args.out, batch_size=args.batch_size, target_name=str(folder),
                       max_len=args.max_len)
     print(f"cached target layers {layers} and final hidden states of {len(records)} sequences in {out}", file=sys.stderr)
+    if not json.loads((out / "index.json").read_text()).get("lse"):
+        print(f"note: {out} was begun without the target logits' log-normaliser, so training over a draft vocabulary "
+              "computes it; build a new folder to store it", file=sys.stderr)
     return 0
 
 
@@ -173,9 +178,10 @@ def add_features_parser(sub):
                         description="Run the frozen target (bf16) once over a regenerated JSONL and store, per "
                                     "sequence, the outputs of the chosen target layers, the final hidden states "
                                     "(bf16 safetensors shards, resumable) and the log-normaliser of the target's "
-                                    "logits, so that `dspark train --feature-cache` skips the target forward in "
-                                    "every epoch and for every drafter (and, with --draft-vocab, runs only the "
-                                    "vocabulary's rows of the LM head).")
+                                    "logits (float32; not added to a folder begun before it was stored), so that "
+                                    "`dspark train --feature-cache` skips the target forward in every epoch and for "
+                                    "every drafter (and, with --draft-vocab, runs only the vocabulary's rows of the "
+                                    "LM head).")
     fe.add_argument("--data", required=True, help="regenerated JSONL (dspark regenerate)")
     fe.add_argument("--out", required=True, help="cache folder")
     fe.add_argument("--layers", default=None, help="comma-separated target layers (default: DSpark's three plus "
