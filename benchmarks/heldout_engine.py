@@ -109,6 +109,8 @@ class TeacherForced:
         ids = ids[:self.max_len]
         last = len(ids) - 1 - self.model.block_size
         anchors = [a for a in anchors if a <= last]
+        if not anchors:  # too short for one whole block
+            return torch.zeros(0), torch.zeros(0)
         feats = target_features(self.target, [ids], self.model.target_layer_ids)
         c1, tau = [], []
         for i in range(0, len(anchors), ANCHOR_CHUNK):

@@ -221,3 +221,33 @@ def test_draft_vocab_quick_writes_result(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in result["rows"])
     assert set(result["headline"]) == {"dspark_cut_over_whole", "dspark-async_cut_over_whole"}
     assert "whole vocabulary" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_heldout_engine_scores_what_the_engine_drafts(tmp_path):
+    """Training's c*_1 at the positions where the engine's cycles began equals the engine's own Σ min(p, q) for
+    those first drafts (the bundled drafter, a few real prompts): training and inference see the same blocks."""
+    from dspark import LLM
+
+    llm = LLM()
+    pairs = [("What is 12 times 7?", "12 times 7 is 84."), ("Write a Python function that adds two numbers.",
+             "def add(a, b):\n    return a + b"), ("Name three colours.", "Red, green and blue."),
+             ("What is the capital of France?", "The capital of France is Paris.")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": llm.chat_prompt(q),
+                                        "answer_ids": llm.tokenizer.encode(a)}) + "\n" for i, (q, a) in enumerate(pairs)))
+    out = tmp_path / "heldout"
+    script = load_script(BENCHMARKS / "heldout_engine.py")
+    threads = torch.get_num_threads()
+    try:
+        assert script.main(["--data", str(data), "--quick", "--max-new-tokens", "48", "--threads", "1",
+                            "--out", str(out)]) == 0
+        with pytest.raises(SystemExit, match="fewer than 2 x --prompts"):
+            script.main(["--data", str(data), "--prompts", "3", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["prompts"] for r in rows] == ["held out", "trained on"]
+    for r in rows:
+        assert r["cycles_scored"] > 5 and r["engine_tau"] >= 1 and 0 < r["c1_cycles"] < 1
+        assert r["c1_engine"] == pytest.approx(r["c1_cycles"], rel=0.03)
