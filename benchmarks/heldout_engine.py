@@ -105,7 +105,8 @@ class TeacherForced:
         self.vocab = TrainingVocab(ids, self.model.lm_head) if ids is not None else None
 
     def score(self, ids: list[int], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per anchor: (c*_1, expected τ); anchors past the last full block are dropped."""
+        """(c*_1, expected τ) for each anchor, as the mean over its chunk of anchors (so only their overall mean is
+        exact); anchors past the last full block are dropped."""
         ids = ids[:self.max_len]
         last = len(ids) - 1 - self.model.block_size
         anchors = [a for a in anchors if a <= last]
@@ -144,14 +145,15 @@ def group_row(name: str, records: list[dict], runs: list[dict], scorer: TeacherF
         c, t = scorer.score(ids, list(range(start, len(ids))))
         c1_every.append(c)
         tau_text.append(t)
-        anchors, pos = [], len(run["prompt_ids"])  # the engine's first anchor: the first answer token
+        anchors, drafted, pos = [], [], len(run["prompt_ids"])  # the engine's first anchor: the first answer token
         for o, accepted in run["cycles"]:
-            anchors.append(pos)
+            if o is not None:  # cycles that verified a first draft
+                anchors.append(pos)
+                drafted.append((o, accepted))
             pos += accepted + 1
         c, _ = scorer.score(ids, anchors)
-        kept = [o is not None for o, _ in run["cycles"][:len(c)]]  # cycles inside the scored sequence, drafted
-        c1_cycles.append(c[torch.tensor(kept, dtype=torch.bool)])
-        kept = [(o, a) for o, a in run["cycles"][:len(c)] if o is not None]
+        c1_cycles.append(c)
+        kept = drafted[:len(c)]  # those whose block lies inside the scored sequence
         overlap.append(torch.tensor([o for o, _ in kept]))
         realized.append(torch.tensor([float(a > 0) for _, a in kept]))
     return {"prompts": name, "requests": len(runs), "engine_tau": engine_tau(runs), "tau_data": mean(tau_data),
