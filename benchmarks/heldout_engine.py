@@ -104,25 +104,40 @@ class TeacherForced:
         ids = load_draft_vocab(drafter_dir, self.model.c.vocab_size, honour_env=False)
         self.vocab = TrainingVocab(ids, self.model.lm_head) if ids is not None else None
 
-    def score(self, ids: list[int], anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c*_1, expected τ) for each anchor, as the mean over its chunk of anchors (so only their overall mean is
-        exact); anchors past the last full block are dropped."""
+    def score(self, ids: list[int], *anchor_sets: list[int]) -> list[tuple[float, float, int]]:
+        """Per set of anchors (one target forward for them all): (Σ c*_1, Σ expected τ, anchors scored); anchors past
+        the last full block are dropped."""
         ids = ids[:self.max_len]
         last = len(ids) - 1 - self.model.block_size
-        anchors = [a for a in anchors if a <= last]
-        if not anchors:  # too short for one whole block
-            return torch.zeros(0), torch.zeros(0)
-        feats = target_features(self.target, [ids], self.model.target_layer_ids)
-        c1, tau = [], []
-        for i in range(0, len(anchors), ANCHOR_CHUNK):
-            chunk = torch.tensor(anchors[i:i + ANCHOR_CHUNK])[None]
-            batch = AnchorBatch(chunk, torch.ones_like(chunk, dtype=torch.bool), self.model.block_size)
-            with torch.no_grad():
-                parts = forward_for(self.model)(self.model, self.target, torch.tensor([ids]), feats, batch,
-                                                vocab=self.vocab).loss()
-            c1.append(parts.accept[0].repeat(chunk.shape[1]))
-            tau.append(parts.tau.repeat(chunk.shape[1]))
-        return torch.cat(c1), torch.cat(tau)
+        feats = target_features(self.target, [ids], self.model.target_layer_ids) if last >= 0 else None
+        out = []
+        for anchors in anchor_sets:
+            anchors, c1, tau = [a for a in anchors if a <= last], 0.0, 0.0
+            for i in range(0, len(anchors), ANCHOR_CHUNK):
+                chunk = torch.tensor(anchors[i:i + ANCHOR_CHUNK])[None]
+                batch = AnchorBatch(chunk, torch.ones_like(chunk, dtype=torch.bool), self.model.block_size)
+                with torch.no_grad():
+                    parts = forward_for(self.model)(self.model, self.target, torch.tensor([ids]), feats, batch,
+                                                    vocab=self.vocab).loss()
+                c1 += float(parts.accept[0]) * chunk.shape[1]  # the loss code averages over the chunk's blocks
+                tau += float(parts.tau) * chunk.shape[1]
+            out.append((c1, tau, len(anchors)))
+        return out
+
+
+class Means:
+    """Running means of named quantities: add(name, total, count)."""
+
+    def __init__(self):
+        self.totals = {}
+
+    def add(self, name: str, total: float, count: int):
+        t, n = self.totals.get(name, (0.0, 0))
+        self.totals[name] = (t + total, n + count)
+
+    def __getitem__(self, name: str) -> float:
+        t, n = self.totals[name]
+        return t / n if n else float("nan")
 
 
 def engine_tau(runs: list[dict]) -> float:
@@ -130,36 +145,29 @@ def engine_tau(runs: list[dict]) -> float:
     return sum(len(r["answer_ids"]) - 1 for r in runs) / max(sum(len(r["cycles"]) for r in runs), 1)
 
 
-def mean(t: list[torch.Tensor]) -> float:
-    return float(torch.cat(t).mean())
-
-
 def group_row(name: str, records: list[dict], runs: list[dict], scorer: TeacherForced) -> dict:
-    tau_data, tau_text, c1_every, c1_cycles = [], [], [], []
-    overlap, realized = [], []
+    m = Means()
     for rec, run in zip(records, runs):
         start = rec["start"]  # `dspark train`'s first anchor: the last prompt token
-        _, t = scorer.score(rec["ids"], list(range(start, len(rec["ids"]))))
-        tau_data.append(t)
-        ids = run["prompt_ids"] + run["answer_ids"]
-        c, t = scorer.score(ids, list(range(start, len(ids))))
-        c1_every.append(c)
-        tau_text.append(t)
+        [(_, tau, n)] = scorer.score(rec["ids"], list(range(start, len(rec["ids"]))))
+        m.add("tau_data", tau, n)
         anchors, drafted, pos = [], [], len(run["prompt_ids"])  # the engine's first anchor: the first answer token
         for o, accepted in run["cycles"]:
             if o is not None:  # cycles that verified a first draft
                 anchors.append(pos)
                 drafted.append((o, accepted))
             pos += accepted + 1
-        c, _ = scorer.score(ids, anchors)
-        c1_cycles.append(c)
-        kept = drafted[:len(c)]  # those whose block lies inside the scored sequence
-        overlap.append(torch.tensor([o for o, _ in kept]))
-        realized.append(torch.tensor([float(a > 0) for _, a in kept]))
-    return {"prompts": name, "requests": len(runs), "engine_tau": engine_tau(runs), "tau_data": mean(tau_data),
-            "tau_engine_text": mean(tau_text), "c1_every": mean(c1_every), "c1_cycles": mean(c1_cycles),
-            "c1_engine": mean(overlap), "c1_realized": mean(realized), "cycles_scored": int(sum(len(r) for r in
-                                                                                              realized))}
+        ids = run["prompt_ids"] + run["answer_ids"]
+        (c1, tau, n), (c1_cycles, _, n_cycles) = scorer.score(ids, list(range(start, len(ids))), anchors)
+        m.add("tau_engine_text", tau, n)
+        m.add("c1_every", c1, n)
+        m.add("c1_cycles", c1_cycles, n_cycles)
+        kept = drafted[:n_cycles]  # those whose block lies inside the scored sequence
+        m.add("c1_engine", sum(o for o, _ in kept), len(kept))
+        m.add("c1_realized", sum(a > 0 for _, a in kept), len(kept))
+    return {"prompts": name, "requests": len(runs), "engine_tau": engine_tau(runs)} | {
+        k: m[k] for k in ("tau_data", "tau_engine_text", "c1_every", "c1_cycles", "c1_engine", "c1_realized")} | {
+        "cycles_scored": m.totals["c1_engine"][1]}
 
 
 def main(argv=None) -> int:
