@@ -8,9 +8,11 @@ conditional acceptance, and single-request speed against plain decoding (and lla
     turns, the second after the first answer), --max-new-tokens each, every draft verified (fixed γ). Requests
     run batched (--batch at once): τ does not depend on the batch, up to bf16 rounding.
 (b) position-wise conditional acceptance: P(x_k accepted | x_1..x_{k-1} accepted and x_k verified), k = 1..γ.
-(c) single-request tokens/s on the --speed-sets prompts, greedy, exactly --max-new-tokens tokens, every system
-    interleaved prompt by prompt: plain decoding, each drafter at fixed γ, DSpark under the async scheduler (the
-    default of `dspark generate`: it skips the drafter where no budget pays for it), llama.cpp.
+(c) single-request tokens/s on the --speed-sets prompts, greedy, up to --max-new-tokens tokens, ending at the
+    end-of-sequence token as `dspark generate` does (--speed-past-eos: exactly that many, the model's text past its
+    answer included), every system interleaved prompt by prompt: plain decoding, each drafter at fixed γ, DSpark
+    under the async scheduler (the default of `dspark generate`: it skips the drafter where no budget pays for it),
+    prompt lookup (`--drafter prompt-lookup`, no trained drafter), llama.cpp.
 """
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")
+    p.add_argument("--speed-past-eos", action="store_true", help="(c) makes exactly --max-new-tokens tokens per prompt, "
+                   "past the end-of-sequence token (the model's text after its answer, often repeating itself, which "
+                   "favours prompt lookup)")
     p.add_argument("--out", default=str(RESULTS_DIR / "drafters"))
     p.add_argument("--resume", action="store_true", help="reuse the rows of an interrupted run with the same "
                    "settings (kept in OUT.partial.json after each eval set)")
@@ -129,6 +134,8 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
     if "dspark" in llms:  # what `dspark generate` runs by default: DSpark under the asynchronous scheduler
         llms = llms | {"dspark-async": plain.sibling(args.drafter_dirs["dspark"], "async", gamma=7, max_num_seqs=1)}
+    llms = llms | {"prompt-lookup": plain.sibling("prompt-lookup", gamma=7, max_num_seqs=1)}
+    stop_at_eos = not args.speed_past_eos
     problem = None if args.no_llama_cpp else llama_cpp_problem()
     if problem:
         log(f"speed: llama.cpp left out: {problem}")
@@ -139,9 +146,9 @@ def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) ->
         return done
     texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
     prompts = [plain.chat_prompt(t) for t in texts]
-    peers = [DsparkPeer(plain, "plain")] + [DsparkPeer(llm, name) for name, llm in llms.items()]
+    peers = [DsparkPeer(llm, name, stop_at_eos) for name, llm in {"plain": plain, **llms}.items()]
     if with_llama_cpp:
-        peers.append(LlamaCppPeer(bundled_gguf(), args.threads, n_ctx=4096))
+        peers.append(LlamaCppPeer(bundled_gguf(), args.threads, n_ctx=4096, stop_at_eos=stop_at_eos))
     for peer in peers:  # warm-up
         peer.generate([prompts[0]], 8)
     for peer in peers:
@@ -152,8 +159,9 @@ def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) ->
     rows = []
     for peer in peers:
         outs, seconds = result[peer.name]
-        row = {"section": "speed", "system": peer.name, "requests": len(outs), "new_tokens": args.max_new_tokens,
-               "seconds": seconds, "tokens_per_s": len(outs) * args.max_new_tokens / seconds}
+        tokens = sum(len(o) for o in outs)
+        row = {"section": "speed", "system": peer.name, "requests": len(outs), "new_tokens": tokens / len(outs),
+               "seconds": seconds, "tokens_per_s": tokens / seconds}
         if isinstance(peer, DsparkPeer):
             hist = peer.history
             row["tau"] = sum(len(o.token_ids) - 1 for o in hist) / max(sum(o.steps for o in hist), 1)
@@ -187,6 +195,8 @@ def headline(rows: list[dict]) -> dict:
             h["dspark_async_vs_plain_bs1"] = speed["dspark-async"]["vs_plain"]
         if "llama.cpp" in speed:
             h["dspark_vs_llamacpp_bs1"] = speed["dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
+    if "prompt-lookup" in speed:
+        h["prompt_lookup_vs_plain_bs1"] = speed["prompt-lookup"]["vs_plain"]
     return h
 
 
@@ -239,7 +249,8 @@ def markdown(result: dict) -> str:
         markdown_table(table, ["T", "drafter", *sets, "mean"]),
         "\n## Conditional acceptance by position, temperature 1\n",
         markdown_table(pos, ["drafter", "set", *[f"k={k + 1}" for k in range(gamma)]]),
-        "\n## Single request, greedy, tokens/s\n",
+        "\n## Single request, greedy, tokens/s"
+        f"{' (exactly new_tokens per prompt, past the end of the answer)' if result['settings'].get('speed_past_eos') else ' (each answer ending at its end-of-sequence token; new_tokens: the mean per prompt)'}\n",
         markdown_table(speed, ["system", "requests", "new_tokens", "tokens_per_s", "vs_plain", "tau"]),
         "\n## Headline\n",
         markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()], ["figure", "value"]),
@@ -264,7 +275,8 @@ def main(argv=None) -> int:
     tau_plain = plain if args.tau_dtype in (None, args.dtype) else LLM(drafter="none", dtype=args.tau_dtype,
                                                                         max_num_seqs=args.batch)
     result = result_header("drafters", __file__, argv)
-    result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype", "tau_dtype")} | {"drafters": args.drafter_dirs}
+    result["settings"] = {k: getattr(args, k) for k in (*FULL, "dtype", "tau_dtype", "speed_past_eos")} | {
+        "drafters": args.drafter_dirs}
     partial = Partial(args.out, result, args.resume)
     rows = acceptance_rows(drafter_llms(tau_plain, args.drafter_dirs), args, log, partial)
     rows += speed_rows(drafter_llms(plain, args.drafter_dirs), plain, args, log, partial)

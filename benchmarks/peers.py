@@ -1,5 +1,5 @@
-"""The systems a benchmark compares, behind one call: generate exactly n greedy tokens for a batch of prompt
-token ids and return the new ids. dspark (LLM), transformers `generate` (left-padded batches, optional
+"""The systems a benchmark compares, behind one call: generate n greedy tokens for a batch of prompt token ids
+(exactly n, or with stop_at_eos up to n, ending at the end-of-sequence token) and return the new ids. dspark (LLM), transformers `generate` (left-padded batches, optional
 prompt lookup) and llama.cpp (llama-cpp-python, batch 1, optional)."""
 from __future__ import annotations
 
@@ -14,31 +14,34 @@ from dspark import SamplingParams
 from dspark.target.loading import bundled_gguf
 
 
-def check_lengths(system: str, outputs: list[list[int]], n: int) -> list[list[int]]:
-    """Every peer must produce exactly n tokens per prompt, or the tokens/s are not comparable."""
-    bad = [len(o) for o in outputs if len(o) != n]
+def check_lengths(system: str, outputs: list[list[int]], n: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """Every peer must produce exactly n tokens per prompt (with stop_at_eos, 1 to n), or the tokens/s are not
+    comparable."""
+    bad = [len(o) for o in outputs if not (0 < len(o) <= n if stop_at_eos else len(o) == n)]
     if bad:
         raise RuntimeError(f"{system} produced {bad[:4]} tokens instead of {n}")
     return outputs
 
 
 class DsparkPeer:
-    """dspark's offline API; greedy with ignore_eos so that every request makes exactly n tokens.
+    """dspark's offline API, greedy; with ignore_eos every request makes exactly n tokens (stop_at_eos: up to n, as
+    `dspark generate` does).
 
     history keeps every RequestOutput (for acceptance figures); clear it when you like.
     """
 
-    def __init__(self, llm, name: str):
-        self.llm, self.name = llm, name
+    def __init__(self, llm, name: str, stop_at_eos: bool = False):
+        self.llm, self.name, self.stop_at_eos = llm, name, stop_at_eos
         self.history = []
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=not self.stop_at_eos)
+        outs = self.llm.generate(prompts, params)
         errors = [o.error for o in outs if o.finish_reason == "error"]
         if errors:
             raise RuntimeError(f"{self.name} failed: {errors[0]}")
         self.history += outs
-        return check_lengths(self.name, [o.token_ids for o in outs], n)
+        return check_lengths(self.name, [o.token_ids for o in outs], n, self.stop_at_eos)
 
 
 def load_transformers(folder: str | Path, dtype: torch.dtype):
@@ -98,17 +101,18 @@ def llama_cpp_problem() -> str | None:
 
 
 class LlamaCppPeer:
-    """llama.cpp on a GGUF through llama-cpp-python, greedy, batch 1, past the end-of-sequence token.
+    """llama.cpp on a GGUF through llama-cpp-python, greedy, batch 1, past the end-of-sequence token (stop_at_eos:
+    ending at it, the token counted as dspark counts it).
 
     The prompt is given as token ids (the same vocabulary: dspark's bundled target is this GGUF converted).
     """
 
     name = "llama.cpp"
 
-    def __init__(self, gguf: str | Path, threads: int, n_ctx: int):
+    def __init__(self, gguf: str | Path, threads: int, n_ctx: int, stop_at_eos: bool = False):
         from llama_cpp import Llama
 
-        self.gguf = Path(gguf)
+        self.gguf, self.stop_at_eos = Path(gguf), stop_at_eos
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=512, seed=0, verbose=False)
 
@@ -120,7 +124,7 @@ class LlamaCppPeer:
             for token in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                            reset=True):
                 tokens.append(int(token))
-                if len(tokens) == n:
+                if len(tokens) == n or (self.stop_at_eos and token == self.llm.token_eos()):
                     break
             outputs.append(tokens)
-        return check_lengths(self.name, outputs, n)
+        return check_lengths(self.name, outputs, n, self.stop_at_eos)

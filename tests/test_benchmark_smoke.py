@@ -99,8 +99,11 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
         (d, t, s) for d in ("dspark", "eagle3") for t in (0.0, 1.0) for s in ("gsm8k", "mt-bench")}
     assert all(r["tau"] >= 1.0 and len(r["position_accept"]) == 7 for r in acc)
     assert result["settings"]["dtype"] == "bf16" and result["settings"]["tau_dtype"] == "fp32"
-    assert [r["system"] for r in result["rows"] if r["section"] == "speed"] == ["plain", "dspark", "eagle3", "dspark-async"]
+    speed = [r for r in result["rows"] if r["section"] == "speed"]
+    assert [r["system"] for r in speed] == ["plain", "dspark", "eagle3", "dspark-async", "prompt-lookup"]
+    assert all(1 <= r["new_tokens"] <= 6 for r in speed) and not result["settings"]["speed_past_eos"]
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
+    assert result["headline"]["prompt_lookup_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
 
     partial = tmp_path / "drafters.partial.json"
@@ -251,3 +254,17 @@ def test_heldout_engine_scores_what_the_engine_drafts(tmp_path):
     for r in rows:
         assert r["cycles_scored"] > 5 and r["engine_tau"] >= 1 and 0 < r["c1_cycles"] < 1
         assert r["c1_engine"] == pytest.approx(r["c1_cycles"], rel=0.03)
+
+
+def test_dspark_peer_stops_at_eos_only_when_asked(base_llm_fp32):
+    from benchmarks.peers import DsparkPeer, check_lengths
+
+    prompt = [base_llm_fp32.chat_prompt("Say hello.")]
+    full = DsparkPeer(base_llm_fp32, "plain").generate(prompt, 48)[0]
+    eos = next(i for i, t in enumerate(full) if t in base_llm_fp32.engine.eos_ids)  # the answer ends inside 48
+    assert len(full) == 48
+    assert DsparkPeer(base_llm_fp32, "plain", stop_at_eos=True).generate(prompt, 48) == [full[:eos + 1]]
+    with pytest.raises(RuntimeError, match="instead of 48"):
+        check_lengths("x", [full[:eos + 1]], 48)
+    with pytest.raises(RuntimeError, match="instead of 4"):
+        check_lengths("x", [full[:5]], 4, stop_at_eos=True)
