@@ -12,7 +12,8 @@ conditional acceptance, and single-request speed against plain decoding (and lla
     end-of-sequence token as `dspark generate` does (--speed-past-eos: exactly that many, the model's text past its
     answer included), every system interleaved prompt by prompt: plain decoding, each drafter at fixed γ, DSpark
     under the async scheduler (the default of `dspark generate`: it skips the drafter where no budget pays for it),
-    prompt lookup (`--drafter prompt-lookup`, no trained drafter), llama.cpp.
+    prompt lookup (`--drafter prompt-lookup`, no trained drafter), prompt lookup first and DSpark where it finds no
+    match (`--drafter lookup+default`, fixed γ), llama.cpp.
 """
 from __future__ import annotations
 
@@ -135,6 +136,8 @@ def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) ->
     if "dspark" in llms:  # what `dspark generate` runs by default: DSpark under the asynchronous scheduler
         llms = llms | {"dspark-async": plain.sibling(args.drafter_dirs["dspark"], "async", gamma=7, max_num_seqs=1)}
     llms = llms | {"prompt-lookup": plain.sibling("prompt-lookup", gamma=7, max_num_seqs=1)}
+    if "dspark" in args.drafter_dirs:  # prompt lookup where the context repeats itself, DSpark elsewhere
+        llms = llms | {"lookup+dspark": plain.sibling("lookup+" + args.drafter_dirs["dspark"], gamma=7, max_num_seqs=1)}
     stop_at_eos = not args.speed_past_eos
     problem = None if args.no_llama_cpp else llama_cpp_problem()
     if problem:
@@ -195,8 +198,9 @@ def headline(rows: list[dict]) -> dict:
             h["dspark_async_vs_plain_bs1"] = speed["dspark-async"]["vs_plain"]
         if "llama.cpp" in speed:
             h["dspark_vs_llamacpp_bs1"] = speed["dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
-    if "prompt-lookup" in speed:
-        h["prompt_lookup_vs_plain_bs1"] = speed["prompt-lookup"]["vs_plain"]
+    for name in ("prompt-lookup", "lookup+dspark"):
+        if name in speed:
+            h[f"{name.replace('-', '_').replace('+', '_')}_vs_plain_bs1"] = speed[name]["vs_plain"]
     return h
 
 

@@ -100,10 +100,11 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
     assert all(r["tau"] >= 1.0 and len(r["position_accept"]) == 7 for r in acc)
     assert result["settings"]["dtype"] == "bf16" and result["settings"]["tau_dtype"] == "fp32"
     speed = [r for r in result["rows"] if r["section"] == "speed"]
-    assert [r["system"] for r in speed] == ["plain", "dspark", "eagle3", "dspark-async", "prompt-lookup"]
+    assert [r["system"] for r in speed] == ["plain", "dspark", "eagle3", "dspark-async", "prompt-lookup",
+                                             "lookup+dspark"]
     assert all(1 <= r["new_tokens"] <= 6 for r in speed) and not result["settings"]["speed_past_eos"]
     assert result["headline"]["tau_dspark_over_eagle3"] > 0 and result["headline"]["dspark_vs_plain_bs1"] > 0
-    assert result["headline"]["prompt_lookup_vs_plain_bs1"] > 0
+    assert result["headline"]["prompt_lookup_vs_plain_bs1"] > 0 and result["headline"]["lookup_dspark_vs_plain_bs1"] > 0
     assert (tmp_path / "drafters_positions.png").stat().st_size > 1000
 
     partial = tmp_path / "drafters.partial.json"

@@ -3,7 +3,8 @@ from pathlib import Path
 from .base import Drafter, NoDrafter, Proposal
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTERS = ("auto", "default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>")
+DRAFTERS = ("auto", "default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>",
+            "lookup+default", "lookup+<folder>")
 # the DSpark drafter trained by this project for the bundled SmolLM2-135M-Instruct (trainable weights only)
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dspark"
 
@@ -23,14 +24,20 @@ def default_fits(target) -> bool:
 
 def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
     """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "auto": that
-    one where it fits the target, else prompt lookup; "none"; "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`) or an
-    instance."""
+    one where it fits the target, else prompt lookup; "none"; "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`),
+    "lookup+" before either of the last two (prompt lookup where the context repeats itself, that drafter
+    elsewhere: lookup_first.py) or an instance."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
+    if isinstance(spec, str) and spec.startswith("lookup+"):  # prompt lookup first, the named drafter elsewhere
+        from .lookup_first import LookupFirstDrafter
+
+        inner = make_drafter(spec[len("lookup+"):], gamma, target, max_model_len)
+        return LookupFirstDrafter(inner, PromptLookupDrafter(gamma=inner.gamma))
     if spec == "auto":  # the bundled drafter where it fits the target, else prompt lookup
         spec = "default" if default_fits(target) else "prompt-lookup"
         if spec == "prompt-lookup":
@@ -64,7 +71,8 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
             return Eagle3Drafter(model, max_model_len)
         temps = load_temperatures(folder) if model.confidence_head is not None else None
         return DSparkDrafter(model, max_model_len, temps)
-    raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup or a drafter folder")
+    raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup, default, auto, a drafter folder or "
+                     "lookup+ before default or a folder")
 
 
 __all__ = ["DEFAULT_DRAFTER_DIR", "DRAFTERS", "Drafter", "NoDrafter", "Proposal", "PromptLookupDrafter", "make_drafter"]

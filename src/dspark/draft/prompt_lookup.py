@@ -23,10 +23,15 @@ class PromptLookupDrafter(Drafter):
         return []
 
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
-        tokens = torch.zeros(len(requests), self.gamma, dtype=torch.long)
-        lengths = torch.zeros(len(requests), dtype=torch.long)
-        for i, req in enumerate(requests):
-            found = self.lookup(req.all_token_ids)
-            tokens[i, :len(found)] = torch.tensor(found, dtype=torch.long)
-            lengths[i] = len(found)
-        return Proposal(tokens, None, lengths)
+        return point_masses([self.lookup(req.all_token_ids) for req in requests], self.gamma)
+
+
+def point_masses(drafts: list[list[int]], width: int) -> Proposal:
+    """A proposal of point-mass drafts (q None), one list of tokens per request, each cut to width."""
+    tokens = torch.zeros(len(drafts), width, dtype=torch.long)
+    lengths = torch.zeros(len(drafts), dtype=torch.long)
+    for i, found in enumerate(drafts):
+        found = found[:width]
+        tokens[i, :len(found)] = torch.tensor(found, dtype=torch.long)
+        lengths[i] = len(found)
+    return Proposal(tokens, None, lengths)
