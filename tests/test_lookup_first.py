@@ -85,3 +85,17 @@ def test_lookup_first_greedy_equals_plain(make_llm, greedy, chat_ids, solo_greed
 def test_lookup_plus_spec_builds_the_named_drafter(base_llm_fp32):
     d = make_drafter("lookup+default", 7, base_llm_fp32.engine.target)
     assert isinstance(d, LookupFirstDrafter) and d.gamma == 7 and d.target_layer_ids == d.drafter.target_layer_ids
+
+
+def test_auto_puts_lookup_first_for_one_stream_only(base_llm_fp32):
+    from test_trained_drafters import COST
+
+    from dspark.draft.dspark import DSparkDrafter
+    from dspark.schedule import AsyncBudgetScheduler, FixedLength
+
+    one = base_llm_fp32.sibling("auto", "auto", max_num_seqs=1).engine  # `dspark generate`
+    assert isinstance(one.drafter, LookupFirstDrafter) and isinstance(one.drafter.drafter, DSparkDrafter)
+    assert isinstance(one.scheduler, FixedLength)
+    for config in ({"max_num_seqs": 4}, {"max_num_seqs": 1, "scheduler": "async"}):  # batches; async asked for
+        engine = base_llm_fp32.sibling("auto", **{"scheduler": "auto"} | config, cost_table=COST).engine
+        assert isinstance(engine.drafter, DSparkDrafter) and isinstance(engine.scheduler, AsyncBudgetScheduler)

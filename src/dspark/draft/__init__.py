@@ -22,26 +22,32 @@ def default_fits(target) -> bool:
         c.vocab_size, c.hidden_size, c.num_hidden_layers)
 
 
-def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
+def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, single_stream: bool = False) -> Drafter:
     """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "auto": that
-    one where it fits the target, else prompt lookup; "none"; "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`),
-    "lookup+" before either of the last two (prompt lookup where the context repeats itself, that drafter
-    elsewhere: lookup_first.py) or an instance."""
+    one where it fits the target, behind prompt lookup for a single stream, else prompt lookup; "none";
+    "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`), "lookup+"
+    before either of the last two (prompt lookup where the context repeats itself, that drafter elsewhere:
+    lookup_first.py) or an instance.
+
+    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first: on a CPU, one
+    stream of the bundled target ran 1.6-1.7x plain with it against 1.06x with DSpark under the async scheduler,
+    while at 16 requests every drafter cost more than it saved and the async scheduler lost least
+    (benchmarks/results/drafters.md; README)."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
+    if spec == "auto":  # the bundled drafter where it fits the target (behind prompt lookup for one stream)
+        if not default_fits(target):
+            return PromptLookupDrafter(gamma=gamma)
+        spec = "lookup+default" if single_stream else "default"
     if isinstance(spec, str) and spec.startswith("lookup+"):  # prompt lookup first, the named drafter elsewhere
         from .lookup_first import LookupFirstDrafter
 
         inner = make_drafter(spec[len("lookup+"):], gamma, target, max_model_len)
         return LookupFirstDrafter(inner, PromptLookupDrafter(gamma=inner.gamma))
-    if spec == "auto":  # the bundled drafter where it fits the target, else prompt lookup
-        spec = "default" if default_fits(target) else "prompt-lookup"
-        if spec == "prompt-lookup":
-            return PromptLookupDrafter(gamma=gamma)
     if spec == "default":
         if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
             raise ValueError(f"no default drafter is bundled at {DEFAULT_DRAFTER_DIR}; give a drafter folder")

@@ -22,7 +22,8 @@ class LLM:
 
     target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
     in the local cache. drafter: "none", "prompt-lookup", "default" (the bundled DSpark drafter), "auto" (that one
-    where it fits the target, else prompt lookup), a drafter folder (DSpark, DFlash, Eagle3-style) or a Drafter.
+    where it fits the target, with max_num_seqs 1 behind prompt lookup, else prompt lookup), a drafter folder
+    (DSpark, DFlash, Eagle3-style), "lookup+default" / "lookup+FOLDER" (prompt lookup first) or a Drafter.
     scheduler: "fixed", "plain", "threshold", "algorithm1", "async", "auto" (async where the drafter gives
     confidences, else fixed) or a Scheduler; algorithm1 and async cost steps with an SPS(B) table: `cost_table`
     (a file from `dspark profile`), else one profiled for this target, drafter and machine at first use and
@@ -41,7 +42,8 @@ class LLM:
 
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
         max_len = self.config.max_model_len or model.config.max_position_embeddings
-        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len),
+        single_stream = self.config.max_num_seqs == 1 and scheduler in ("auto", "fixed")  # "auto": lookup first
+        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len, single_stream),
                                 FixedLength(gamma), self.config)
         scheduler = resolve_auto(scheduler, self.engine.drafter)
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
