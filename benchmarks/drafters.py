@@ -134,7 +134,7 @@ def acceptance_rows(llms: dict[str, LLM], args, log, partial: Partial) -> list[d
 
 
 def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) -> list[dict]:
-    if "dspark" in llms:  # what `dspark generate` runs by default: DSpark under the asynchronous scheduler
+    if "dspark" in llms:  # the default for batches: DSpark under the asynchronous scheduler
         llms = llms | {"dspark-async": plain.sibling(args.drafter_dirs["dspark"], "async", gamma=7, max_num_seqs=1)}
     llms = llms | {"prompt-lookup": plain.sibling("prompt-lookup", gamma=7, max_num_seqs=1)}
     if "dspark" in args.drafter_dirs:  # prompt lookup where the context repeats itself, DSpark elsewhere

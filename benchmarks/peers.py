@@ -1,6 +1,7 @@
 """The systems a benchmark compares, behind one call: generate n greedy tokens for a batch of prompt token ids
-(exactly n, or with stop_at_eos up to n, ending at the end-of-sequence token) and return the new ids. dspark (LLM), transformers `generate` (left-padded batches, optional
-prompt lookup) and llama.cpp (llama-cpp-python, batch 1, optional)."""
+(exactly n, or with stop_at_eos up to n, ending at the end-of-sequence token) and return the new ids. dspark
+(LLM), transformers `generate` (left-padded batches, optional prompt lookup) and llama.cpp (llama-cpp-python,
+batch 1, optional)."""
 from __future__ import annotations
 
 import functools

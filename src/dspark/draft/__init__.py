@@ -29,10 +29,9 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, s
     before either of the last two (prompt lookup where the context repeats itself, that drafter elsewhere:
     lookup_first.py) or an instance.
 
-    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first: on a CPU, one
-    stream of the bundled target ran 1.6-1.7x plain with it against 1.06x with DSpark under the async scheduler,
-    while at 16 requests every drafter cost more than it saved and the async scheduler lost least
-    (benchmarks/results/drafters.md; README)."""
+    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first, the fastest
+    single stream of the bundled target measured (benchmarks/results/drafters.md, row lookup+dspark); batches keep
+    DSpark under the async scheduler, which skips drafting where it does not pay."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):

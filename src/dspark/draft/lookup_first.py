@@ -29,7 +29,7 @@ class LookupFirstDrafter(Drafter):
         if all(found):  # no drafter call this step
             return point_masses(found, self.gamma)
         drafted = self.drafter.propose(requests, limit)
-        if not any(found):
+        if not any(found):  # the drafter's drafts, without its confidences (see has_confidence)
             return Proposal(drafted.tokens, drafted.q, drafted.lengths)
         looked_up = point_masses(found, drafted.tokens.shape[1])
         rows = torch.tensor([bool(f) for f in found])
