@@ -7,77 +7,12 @@
 // same lane-sum tree, scalar tail and bias), so a row's result never depends on the other rows of the product
 // (on AMX CPUs: within 1-2 and within 3-16 rows). bf16 values are widened exactly and results rounded to
 // nearest-even, as PyTorch rounds.
-#include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
 #include <math.h>
-#include <string.h>
 
 #include <vector>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "skinny.cpp needs AVX2 and FMA"
-#endif
-
-typedef uint16_t bf16;
-
-#if defined(__AVX512F__)
-typedef __m512 vec;  // float32 lanes
-static const int LANES = 16;
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vload(const bf16* p) {
-  __m256i h = _mm256_loadu_si256((const __m256i*)p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-// The lane sums of four vectors at once (one tree for all four, the same whichever four they are).
-static inline void vsum4(const vec* v, int stride, float* out) {
-  vec ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[stride]), _mm512_unpackhi_ps(v[0], v[stride]));
-  vec cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * stride], v[3 * stride]),
-                         _mm512_unpackhi_ps(v[2 * stride], v[3 * stride]));
-  vec abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-}
-#else
-typedef __m256 vec;
-static const int LANES = 8;
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec vload(const bf16* p) {
-  __m128i h = _mm_loadu_si128((const __m128i*)p);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-static inline float widen(float v) { return v; }
-static inline float widen(bf16 v) {
-  uint32_t u = (uint32_t)v << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline void narrow(float v, float* p) { *p = v; }
-static inline void narrow(float v, bf16* p) {
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *p = (bf16)((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = (bf16)(u >> 16);
-}
+#include "simd.h"
 
 // Weight sources of the float32 tiles: dense rows of T, or GGUF groups of 32 weights along k decoded exactly to
 // the float32 values the GGUF's own dequantization gives (gguf-py: Q4_1 w = d·q + m, the product and then the sum
@@ -99,9 +34,6 @@ static inline vec vnibbles(const uint8_t* p, bool high) {
   __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)));
 }
-static inline vec vset(float v) { return _mm512_set1_ps(v); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 #else
 static inline vec vbytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
 static inline vec vbytes(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
@@ -109,9 +41,6 @@ static inline vec vnibbles(const uint8_t* p, bool high) {
   __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
 }
-static inline vec vset(float v) { return _mm256_set1_ps(v); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 #endif
 
 // Q4_1: row n's group g is 16 bytes q[n][g] (byte i: weight 32g + i in the low nibble, 32g + 16 + i in the high

@@ -44,6 +44,9 @@ import torch
 from .loading import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
+# one library: the products, and fused_layers.cpp's forwards built on them (simd.h: what both share)
+SOURCES = (SOURCE, SOURCE.with_name("fused_layers.cpp"))
+HEADERS = (SOURCE.with_name("simd.h"),)
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
 AMX_ROWS = 3  # skinny.cpp's AMX_MIN_ROWS: from it, bf16 products take AMX's tiles where the CPU has them
@@ -60,7 +63,7 @@ def cpu_signature() -> str:
 
 
 def compile_kernel(out: Path, march: str) -> None:
-    """Build skinny.cpp for -march=`march` into the shared library `out` (atomically: a half-written file is
+    """Build SOURCES for -march=`march` into the shared library `out` (atomically: a half-written file is
     never loaded)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -68,7 +71,7 @@ def compile_kernel(out: Path, march: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        command = [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(built)]
+        command = [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(built)]
         run = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
@@ -81,8 +84,8 @@ def kernel(march: str = "native") -> ctypes.CDLL | None:
     (with one warning) where it cannot be built or is off. Tests build older instruction sets too."""
     if os.environ.get("DSPARK_SKINNY", "1") == "0":
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + march.encode() +
-                         cpu_signature().encode()).hexdigest()
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + march.encode() + cpu_signature().encode()).hexdigest()
     path = cache_root() / "kernels" / f"skinny-{key[:16]}.so"
     try:
         if not path.exists():

@@ -1,0 +1,226 @@
+// A decode or verify forward through every decoder layer in one call (fused_layers.py).
+//
+// On a small model, model.py's layer loop spends about as long between its products as in them: some twenty
+// PyTorch operations a layer, each a dispatch and a pass over a few rows. Here the products are skinny.cpp's and
+// the work between them runs in vector loops: RMSNorm, rotary, the KV cache's writes, attention, SiLU and the
+// residuals. Every elementwise step rounds to the model dtype where model.py's operations do (bf16: after each
+// one), norms and attention compute in float32 as there; only the order of float32 sums (and e^x, within 2 ulp)
+// differs, so results match model.py's within rounding. A token's results depend on its own row alone.
+#include <math.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "simd.h"
+
+extern "C" {
+void skinny_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K, int threads);
+void skinny_f32(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
+                int threads);
+}
+static inline void product(const bf16* x, const void* w, const void* b, bf16* y, int64_t M, int64_t N, int64_t K,
+                           int threads) {
+  skinny_bf16(x, (const bf16*)w, (const bf16*)b, y, M, N, K, threads);
+}
+static inline void product(const float* x, const void* w, const void* b, float* y, int64_t M, int64_t N, int64_t K,
+                           int threads) {
+  skinny_f32(x, (const float*)w, (const float*)b, y, M, N, K, threads);
+}
+
+// v rounded to the dtype T (bf16: to nearest-even), still as float32 lanes; vput stores rounded lanes as T.
+static inline vec vround(vec v, const float*) { return v; }
+static inline void vput(float* p, vec v) { vstore(p, v); }
+#if defined(__AVX512F__)
+static inline vec vround(vec v, const bf16*) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void vput(bf16* p, vec v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#else
+static inline vec vround(vec v, const bf16*) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vput(bf16* p, vec v) {
+  __m256i s = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+}
+#endif
+template <typename T>
+static inline vec R(vec v) {
+  return vround(v, (const T*)nullptr);
+}
+
+// e^x (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n); below about -87.3 it gives 0, above
+// about 88.4 infinity, as e^x rounds in float32.
+static inline vec vexp(vec x) {
+  x = vmin(vmax(x, vset(-88.3762626647949f)), vset(88.3762626647949f));
+  const vec n = vfloor(vadd(vmul(x, vset(1.44269504088896341f)), vset(0.5f)));
+  const vec r = vsub(vsub(x, vmul(n, vset(0.693359375f))), vmul(n, vset(-2.12194440e-4f)));
+  vec p = vset(1.9875691500e-4f);
+  p = vadd(vmul(p, r), vset(1.3981999507e-3f));
+  p = vadd(vmul(p, r), vset(8.3334519073e-3f));
+  p = vadd(vmul(p, r), vset(4.1665795894e-2f));
+  p = vadd(vmul(p, r), vset(1.6666665459e-1f));
+  p = vadd(vmul(p, r), vset(5.0000001201e-1f));
+  p = vadd(vadd(vmul(vmul(p, r), r), r), vset(1.0f));
+  return vmul(p, vexp2i(n));
+}
+
+// A layer's parameters (fused_layers.py fills them in this order; null where the layer has none).
+struct Layer {
+  const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down,
+      *down_bias;
+};
+
+struct Model {
+  int64_t layers, d, heads, kv_heads, head_dim, inter;
+  float eps;
+  const Layer* layer;
+};
+
+// y = w * round(x * rsqrt(mean(x^2) + eps)) for each row of n values, as model.RMSNorm (x and y may coincide).
+template <typename T>
+static void rms_norm(const T* x, const void* weight, T* y, int64_t rows, int64_t n, float eps) {
+  const T* w = (const T*)weight;
+  for (int64_t r = 0; r < rows; r++, x += n, y += n) {
+    vec ss = vzero();
+    for (int64_t i = 0; i < n; i += LANES) ss = vfma(vload(x + i), vload(x + i), ss);
+    const vec scale = vset(1.0f / sqrtf(vsum(ss) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += LANES) vput(y + i, R<T>(vmul(vload(w + i), R<T>(vmul(vload(x + i), scale)))));
+  }
+}
+
+// x * cos + roll(x, hd / 2) * sin for each of `heads` heads of hd values (model.apply_rotary), in place.
+template <typename T>
+static void rotary(T* x, const T* cos, const T* sin, int64_t heads, int64_t hd) {
+  const int64_t half = hd / 2;
+  T rolled[512];
+  for (int64_t h = 0; h < heads; h++, x += hd) {
+    for (int64_t i = 0; i < hd; i++) rolled[i] = x[(i + half) % hd];
+    for (int64_t i = 0; i < hd; i += LANES)
+      vput(x + i, R<T>(vadd(R<T>(vmul(vload(x + i), vload(cos + i))), R<T>(vmul(vload(rolled + i), vload(sin + i))))));
+  }
+}
+
+// Query heads g0 .. g0 + G - 1 of one token (q: its H heads) over the L keys and values of their KV head, into
+// out (the token's H * hd attention outputs): softmax(q k / sqrt(hd)) v in float32, rounded once. s: scratch of
+// L rounded up to LANES floats.
+template <typename T>
+static void attend(const T* q, const T* keys, const T* values, int64_t L, int64_t g0, int64_t G, int64_t hd, T* out,
+                   float* s) {
+  const int64_t V = hd / LANES, padded = (L + LANES - 1) / LANES * LANES;
+  const float scale = 1.0f / sqrtf((float)hd);
+  for (int64_t g = g0; g < g0 + G; g++) {
+    vec qv[32];
+    for (int64_t v = 0; v < V; v++) qv[v] = vload(q + g * hd + v * LANES);
+    float top = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+      vec acc = vzero();
+      for (int64_t v = 0; v < V; v++) acc = vfma(qv[v], vload(keys + j * hd + v * LANES), acc);
+      s[j] = vsum(acc) * scale;
+      top = s[j] > top ? s[j] : top;
+    }
+    for (int64_t j = L; j < padded; j++) s[j] = -INFINITY;  // e^-inf: 0
+    vec total = vzero();
+    for (int64_t j = 0; j < padded; j += LANES) {
+      const vec e = vexp(vsub(vload(s + j), vset(top)));
+      vstore(s + j, e);
+      total = vadd(total, e);
+    }
+    const vec sum = vset(vsum(total));
+    vec acc[32];
+    for (int64_t v = 0; v < V; v++) acc[v] = vzero();
+    for (int64_t j = 0; j < L; j++) {
+      const vec p = vset(s[j]);
+      for (int64_t v = 0; v < V; v++) acc[v] = vfma(p, vload(values + j * hd + v * LANES), acc[v]);
+    }
+    for (int64_t v = 0; v < V; v++) vput(out + g * hd + v * LANES, R<T>(vdiv(acc[v], sum)));
+  }
+}
+
+// y = round(x + a), elementwise over n values.
+template <typename T>
+static void residual(T* x, const T* a, int64_t n) {
+  for (int64_t i = 0; i < n; i += LANES) vput(x + i, R<T>(vadd(vload(x + i), vload(a + i))));
+}
+
+// act = silu(gate) * up for each row of gate_up = [gate | up] (F values each), rounded as F.silu(gate) * up.
+template <typename T>
+static void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t F) {
+  for (int64_t r = 0; r < rows; r++, gate_up += 2 * F, act += F)
+    for (int64_t i = 0; i < F; i += LANES) {
+      const vec g = vload(gate_up + i);
+      const vec silu = R<T>(vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g)))));
+      vput(act + i, R<T>(vmul(silu, vload(gate_up + F + i))));
+    }
+}
+
+// x [T, d]: the tokens' embeddings in, their last layer's outputs out. Token t sits at position pos[t] of cache
+// slot slot[t] and reads that slot's keys 0 .. visible[t]; cos and sin [T, hd] are its rotary tables. The keys
+// and values [layers, slots, kv_heads, capacity, hd] are written before attention reads them. Layer l's outputs
+// are copied to features[:, capture[l] * d ...] (row width `width`) where capture[l] >= 0.
+template <typename T>
+static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible, T* kc,
+                    T* vc, int64_t slots, int64_t capacity, T* x, const T* cos, const T* sin, T* features,
+                    const int64_t* capture, int64_t width, int threads) {
+  const int64_t d = m.d, H = m.heads, KVH = m.kv_heads, hd = m.head_dim, F = m.inter, G = H / KVH;
+  const int64_t QKV = (H + 2 * KVH) * hd;
+  int64_t keys = 0;
+  for (int64_t t = 0; t < n; t++) keys = visible[t] + 1 > keys ? visible[t] + 1 : keys;
+  keys = (keys + LANES - 1) / LANES * LANES;
+  std::vector<T> h(n * d), qkv(n * QKV), att(n * H * hd), gate_up(n * 2 * F), act(n * F), out(n * d);
+  std::vector<float> scratch(threads * keys);
+  for (int64_t l = 0; l < m.layers; l++) {
+    const Layer& w = m.layer[l];
+    rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
+    product(h.data(), w.qkv, w.qkv_bias, qkv.data(), n, QKV, d, threads);
+    for (int64_t t = 0; t < n; t++) {
+      T* row = qkv.data() + t * QKV;
+      if (w.q_norm) {
+        rms_norm(row, w.q_norm, row, H, hd, m.eps);
+        rms_norm(row + H * hd, w.k_norm, row + H * hd, KVH, hd, m.eps);
+      }
+      rotary(row, cos + t * hd, sin + t * hd, H + KVH, hd);
+      for (int64_t kh = 0; kh < KVH; kh++) {
+        const int64_t at = (((l * slots + slot[t]) * KVH + kh) * capacity + pos[t]) * hd;
+        memcpy(kc + at, row + (H + kh) * hd, hd * sizeof(T));
+        memcpy(vc + at, row + (H + KVH + kh) * hd, hd * sizeof(T));
+      }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n * KVH; i++) {
+      const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
+      attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
+             scratch.data() + omp_get_thread_num() * keys);
+    }
+    product(att.data(), w.o, w.o_bias, out.data(), n, d, H * hd, threads);
+    residual(x, out.data(), n * d);
+    rms_norm(x, w.post_norm, h.data(), n, d, m.eps);
+    product(h.data(), w.gate_up, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads);
+    silu_mul(gate_up.data(), act.data(), n, F);
+    product(act.data(), w.down, w.down_bias, out.data(), n, d, F, threads);
+    residual(x, out.data(), n * d);
+    if (capture[l] >= 0)
+      for (int64_t t = 0; t < n; t++) memcpy(features + t * width + capture[l] * d, x + t * d, d * sizeof(T));
+  }
+}
+
+extern "C" {
+void fused_layers_bf16(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
+                       bf16* kc, bf16* vc, int64_t slots, int64_t capacity, bf16* x, const bf16* cos, const bf16* sin,
+                       bf16* features, const int64_t* capture, int64_t width, int threads) {
+  forward(*m, n, slot, pos, visible, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+}
+void fused_layers_f32(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
+                      float* kc, float* vc, int64_t slots, int64_t capacity, float* x, const float* cos,
+                      const float* sin, float* features, const int64_t* capture, int64_t width, int threads) {
+  forward(*m, n, slot, pos, visible, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+}
+}

@@ -1,0 +1,122 @@
+"""Decode and verify forwards through every decoder layer in one call to fused_layers.cpp.
+
+model.py's layer loop runs some twenty PyTorch operations a layer between its products, each a dispatch and a
+pass over a few rows; on a small model that costs as much as the products. Measured on a 2-core Xeon with AMX
+(ad hoc, SmolLM2-135M bf16, after 300 cached tokens, medians of 25): a 1-token forward 19.5 ms of which its
+products 10.7 ms, an 8-token forward 26.0 ms of which 14.6 ms. fused_layers.cpp runs the same layers with
+skinny.cpp's products and vector loops between them; benchmarks/results/forward_split.md has the figures.
+
+It takes the forwards that take skinny.py's products (at most 16 tokens, outside prefill) of models whose
+weights are dense bf16 or float32 (not GGUF groups) with sizes that are multiples of 16; DSPARK_FUSED=0 turns it
+off. Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
+depend on its own row alone, as with skinny.cpp's products.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from .skinny import kernel, skinny_linear
+
+FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
+          "gate_up_bias", "down", "down_bias")
+FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
+MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in FIELDS]
+
+
+class ModelWeights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("layers", "d", "heads", "kv_heads", "head_dim", "inter")] + [
+        ("eps", ctypes.c_float), ("layer", ctypes.POINTER(LayerWeights))]
+
+
+def pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer_weights(layer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = attn.q_norm.weight if attn.qk_norm else None
+    k_norm = attn.k_norm.weight if attn.qk_norm else None
+    tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
+               attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+               mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+    return LayerWeights(*map(pointer, tensors))
+
+
+def linears(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def fusable(model) -> bool:
+    """Whether fused_layers.cpp can run the model's layers: dense contiguous weights (not GGUF groups, not a 4-bit
+    target's) of a dtype it handles, sizes that are multiples of 16 (its vector width at most) and a head size it
+    holds."""
+    dense = all(isinstance(getattr(m, "weight", None), torch.Tensor) and getattr(m, "groups", None) is None
+                for layer in model.layers for m in linears(layer))
+    attn = model.layers[0].self_attn
+    sizes = (model.config.hidden_size, model.config.intermediate_size, attn.head_dim)
+    params = [p for layer in model.layers for p in layer.parameters()]
+    return (dense and model.dtype in FUNCTIONS and all(s % 16 == 0 for s in sizes) and attn.head_dim <= MAX_HEAD_DIM
+            and all(p.dtype == model.dtype and p.is_contiguous() and p.is_cpu for p in params))
+
+
+def model_weights(model) -> ModelWeights | None:
+    """The layers' weight pointers for fused_layers.cpp, built once per model (and again if its weights move);
+    None where it cannot run them."""
+    key = tuple(getattr(m, "weight", None) is not None and m.weight.data_ptr()
+                for m in (*linears(model.layers[0]), *linears(model.layers[-1]))) + (model.dtype,)
+    cached = getattr(model, "_fused_weights", None)
+    if cached is None or cached[0] != key:
+        table = None
+        if fusable(model):
+            attn = model.layers[0].self_attn
+            layers = (LayerWeights * len(model.layers))(*map(layer_weights, model.layers))
+            table = ModelWeights(len(model.layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
+                                 attn.head_dim, model.config.intermediate_size, model.layers[0].input_layernorm.eps,
+                                 layers)
+            table._layers = layers  # keeps the array alive
+        cached = model._fused_weights = (key, table)
+    return cached[1]
+
+
+def takes_fused(model, batch, product) -> bool:
+    """Whether this forward runs through fused_layers.cpp: skinny.py's products were chosen (few rows, not a
+    prefill), the model is fusable and DSPARK_FUSED is not 0."""
+    return (product is skinny_linear and not batch.prefill and os.environ.get("DSPARK_FUSED", "1") != "0"
+            and model_weights(model) is not None)
+
+
+@functools.cache
+def entry(lib: ctypes.CDLL, dtype: torch.dtype):
+    """fused_layers.cpp's forward for `dtype` in the library, with its argument types."""
+    function = getattr(lib, FUNCTIONS[dtype])
+    function.argtypes = ([ctypes.POINTER(ModelWeights), ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
+                         + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int])
+    function.restype = None
+    return function
+
+
+def fused_forward(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor | None:
+    """Run every layer over x [T, d] (the embeddings, overwritten with the last layer's outputs), writing the
+    batch's keys and values to `cache`; returns the captured layers' outputs [T, m * d] (None if none)."""
+    weights = model_weights(model)
+    n, d = x.shape
+    captured = sorted(set(model.capture_layers))
+    capture = torch.full((len(model.layers),), -1, dtype=torch.long)
+    capture[captured] = torch.arange(len(captured))
+    features = torch.empty(n, len(captured) * d, dtype=x.dtype) if captured else None
+    visible = batch.positions if batch.visible is None else batch.visible
+    slots, positions, visible = (t.to(torch.long).contiguous() for t in (batch.slots, batch.positions, visible))
+    cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+    entry(kernel(), x.dtype)(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(),
+             cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(),
+             cos.data_ptr(), sin.data_ptr(), pointer(features), capture.data_ptr(), len(captured) * d,
+             torch.get_num_threads())
+    return features
