@@ -123,7 +123,7 @@ def markdown(result: dict) -> str:
     cols = ["dtype", "tokens", "ms_forward", "ms_products", "ms_rest", "rest_share", "torch_calls",
             "us_per_call_of_rest", "ms_fused", "fused_speedup"]
     return (result_preamble(result) + f"\nContext {result['settings']['context']} tokens; medians of "
-            f"{result['settings']['repeats']} x {result['settings']['timings']} timings per column, the two forwards "
+            f"{result['settings']['repeats']} x {result['settings']['timings']} timings per column, the forwards "
             "interleaved. ms_forward: model.py's layer loop (DSPARK_FUSED=0); ms_rest: that loop with every product "
             "(LM head included) replaced by a precomputed tensor; ms_products = ms_forward - ms_rest; ms_fused: the "
             "layers in one call to fused_layers.cpp (none where the model is not fusable: the float32 weights "
