@@ -3,6 +3,7 @@
 Linear layers run on the flat batch [T, d] (no padding). Attention reads each request's keys and values
 from the KV cache; request r's queries see keys at positions <= their own position, which covers both
 the committed prefix and the earlier tokens of the same forward (they are written to the cache first).
+Decode and verify forwards of dense models run the layers in one call to fused_layers.cpp instead of this loop.
 """
 from __future__ import annotations
 

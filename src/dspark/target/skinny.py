@@ -23,9 +23,10 @@ CPUs a bf16 verify row may differ in its last bit from decoding the token alone 
 
 float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
 
-The kernel is compiled once per source, flags and CPU into the user cache folder (about a second with g++),
-and loaded with ctypes; it runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or
-DSPARK_SKINNY=0, it is skipped with one warning and PyTorch's kernels run instead.
+The kernel is compiled once per source, flags and CPU into the user cache folder (a few seconds with g++), in one
+library with fused_layers.cpp (whole decode and verify forwards on these products), and loaded with ctypes; it
+runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or DSPARK_SKINNY=0, it is skipped
+with one warning and PyTorch's kernels (and model.py's layer loop) run instead.
 """
 from __future__ import annotations
 
