@@ -110,6 +110,8 @@ def fused_forward(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     batch's keys and values to `cache`; returns the captured layers' outputs [T, m * d] (None if none)."""
     weights = model_weights(model)
     n, d = x.shape
+    if cache.k.dtype != x.dtype or not cache.k.is_contiguous():
+        raise ValueError(f"fused layers need a contiguous {x.dtype} KV cache, not {cache.k.dtype}")
     captured = sorted(set(model.capture_layers))
     capture = torch.full((len(model.layers),), -1, dtype=torch.long)
     capture[captured] = torch.arange(len(captured))
@@ -117,8 +119,8 @@ def fused_forward(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     visible = batch.positions if batch.visible is None else batch.visible
     slots, positions, visible = (t.to(torch.long).contiguous() for t in (batch.slots, batch.positions, visible))
     cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
-    entry(kernel(), x.dtype)(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(),
-             cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(),
-             cos.data_ptr(), sin.data_ptr(), pointer(features), capture.data_ptr(), len(captured) * d,
-             torch.get_num_threads())
+    forward = entry(kernel(), x.dtype)
+    forward(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), cache.k.data_ptr(),
+            cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            pointer(features), capture.data_ptr(), len(captured) * d, torch.get_num_threads())
     return features
