@@ -197,7 +197,8 @@ def headline(rows: list[dict]) -> dict:
         h["dspark_vs_plain_bs1"] = speed["lookup+dspark"]["vs_plain"]
         if "llama.cpp" in speed:
             h["dspark_vs_llamacpp_bs1"] = speed["lookup+dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
-    for name, figure in (("dspark", "dspark_fixed"), ("dspark-async", "dspark_async"), ("prompt-lookup", "prompt_lookup")):
+    others = (("dspark", "dspark_fixed"), ("dspark-async", "dspark_async"), ("prompt-lookup", "prompt_lookup"))
+    for name, figure in others:
         if name in speed:
             h[f"{figure}_vs_plain_bs1"] = speed[name]["vs_plain"]
     return h

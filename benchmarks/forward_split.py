@@ -61,7 +61,10 @@ def fused(on: bool):
     try:
         yield
     finally:
-        os.environ.pop("DSPARK_FUSED") if before is None else os.environ.update(DSPARK_FUSED=before)
+        if before is None:
+            del os.environ["DSPARK_FUSED"]
+        else:
+            os.environ["DSPARK_FUSED"] = before
 
 
 class CallCounter(TorchFunctionMode):

@@ -23,11 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--drafter", default="auto",
                    help="draft model: auto (the bundled DSpark drafter where it fits the target, for one stream "
                         "(generate) behind prompt lookup as lookup+default does, else prompt-lookup), default (the "
-                        "bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain decoding), prompt-lookup (n-gram match against the context), the folder of a DSpark, "
-                        "DFlash or Eagle3-style drafter (config.json + model.safetensors, the released layout), or "
-                        "lookup+default / lookup+FOLDER (prompt lookup where the context repeats itself, that "
-                        "drafter elsewhere, fixed γ: on the bundled target the fastest single stream measured, "
-                        "benchmarks/results/drafters.md) (default: %(default)s)")
+                        "bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain decoding), prompt-lookup "
+                        "(n-gram match against the context), the folder of a DSpark, DFlash or Eagle3-style drafter "
+                        "(config.json + model.safetensors, the released layout), or lookup+default / lookup+FOLDER "
+                        "(prompt lookup where the context repeats itself, that drafter elsewhere, fixed γ: on the "
+                        "bundled target the fastest single stream measured, benchmarks/results/drafters.md) "
+                        "(default: %(default)s)")
     g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step: auto (async where the drafter gives "
                         "confidences, else fixed), fixed (all γ), plain (none), threshold (prefix survival >= "

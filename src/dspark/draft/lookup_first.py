@@ -4,7 +4,8 @@ depends only on the committed context, so verification stays lossless. Lookup dr
 step mixes both sources, their q rows are one-hot, which verification treats exactly as a point mass.
 
 On the bundled target, text that repeats itself (numbers restated in a math answer, names in code) is common,
-and a lookup draft costs nothing to make, while a drafter call costs about a quarter of a target step on a CPU.
+and a lookup draft costs nothing to make, while a drafter call costs a sixth to a quarter of a target step on
+a CPU (ad hoc, the bundled drafter on a 2-core AMX Xeon: ~1.9 ms against a 10.8 ms one-token forward).
 """
 from __future__ import annotations
 

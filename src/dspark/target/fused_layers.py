@@ -88,11 +88,25 @@ def model_weights(model) -> ModelWeights | None:
     return cached[1]
 
 
-def takes_fused(model, batch, product) -> bool:
-    """Whether this forward runs through fused_layers.cpp: skinny.py's products were chosen (few rows, not a
-    prefill), the model is fusable and DSPARK_FUSED is not 0."""
-    return (product is skinny_linear and not batch.prefill and os.environ.get("DSPARK_FUSED", "1") != "0"
-            and model_weights(model) is not None)
+def fused_weights(model, batch, product) -> ModelWeights | None:
+    """The model's weight table where this forward runs through fused_layers.cpp (skinny.py's products were
+    chosen: few rows, not a prefill; the model is fusable; DSPARK_FUSED is not 0), else None."""
+    if product is not skinny_linear or batch.prefill or os.environ.get("DSPARK_FUSED", "1") == "0":
+        return None
+    return model_weights(model)
+
+
+def capture_slots(model) -> torch.Tensor:
+    """[layers]: where each layer's outputs go among the captured features (-1: not captured), kept per
+    capture_layers."""
+    key = tuple(model.capture_layers)
+    cached = getattr(model, "_fused_capture", None)
+    if cached is None or cached[0] != key:
+        captured = sorted(set(model.capture_layers))
+        slots = torch.full((len(model.layers),), -1, dtype=torch.long)
+        slots[captured] = torch.arange(len(captured))
+        cached = model._fused_capture = (key, slots)
+    return cached[1]
 
 
 @functools.cache
@@ -105,22 +119,22 @@ def entry(lib: ctypes.CDLL, dtype: torch.dtype):
     return function
 
 
-def fused_forward(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache) -> torch.Tensor | None:
-    """Run every layer over x [T, d] (the embeddings, overwritten with the last layer's outputs), writing the
-    batch's keys and values to `cache`; returns the captured layers' outputs [T, m * d] (None if none)."""
-    weights = model_weights(model)
+def fused_forward(model, weights: ModelWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch,
+                  cache) -> torch.Tensor | None:
+    """Run every layer (`weights`: fused_weights' table) over x [T, d] (the embeddings, overwritten with the last
+    layer's outputs), writing the batch's keys and values to `cache`; returns the captured layers' outputs
+    [T, m * d] (None if none)."""
     n, d = x.shape
     if cache.k.dtype != x.dtype or not cache.k.is_contiguous():
         raise ValueError(f"fused layers need a contiguous {x.dtype} KV cache, not {cache.k.dtype}")
-    captured = sorted(set(model.capture_layers))
-    capture = torch.full((len(model.layers),), -1, dtype=torch.long)
-    capture[captured] = torch.arange(len(captured))
-    features = torch.empty(n, len(captured) * d, dtype=x.dtype) if captured else None
+    capture = capture_slots(model)
+    width = int((capture >= 0).sum()) * d
+    features = torch.empty(n, width, dtype=x.dtype) if width else None
     visible = batch.positions if batch.visible is None else batch.visible
     slots, positions, visible = (t.to(torch.long).contiguous() for t in (batch.slots, batch.positions, visible))
     cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
     forward = entry(kernel(), x.dtype)
     forward(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), cache.k.data_ptr(),
             cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            pointer(features), capture.data_ptr(), len(captured) * d, torch.get_num_threads())
+            pointer(features), capture.data_ptr(), width, torch.get_num_threads())
     return features

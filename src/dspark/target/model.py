@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
-from .fused_layers import fused_forward, takes_fused
+from .fused_layers import fused_forward, fused_weights
 from .groups import Groups
 from .onednn import linear
 from .skinny import skinny_linear
@@ -270,8 +270,8 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
         product = product_kernel(x, self.lm_head.weight, batch.prefill)
-        if takes_fused(self, batch, product):  # decode and verify: every layer in one call
-            features = fused_forward(self, x, cos, sin, batch, cache)
+        if (weights := fused_weights(self, batch, product)) is not None:  # decode and verify: the layers in one call
+            features = fused_forward(self, weights, x, cos, sin, batch, cache)
             return TargetOutput(self.norm(x), features)
         captured = []
         for i, layer in enumerate(self.layers):
