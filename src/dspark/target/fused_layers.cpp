@@ -109,39 +109,92 @@ static void rotary(T* x, const T* cos, const T* sin, int64_t heads, int64_t hd) 
   }
 }
 
-// Query heads g0 .. g0 + G - 1 of one token (q: its H heads) over the L keys and values of their KV head, into
-// out (the token's H * hd attention outputs): softmax(q k / sqrt(hd)) v in float32, rounded once. s: scratch of
-// L rounded up to LANES floats.
+// Scores s[r][j] = q_r k_j * scale of NR query rows (q: hd floats each) over keys 0 .. L-1: each key is widened
+// once for all rows, and four keys' sums reduce in one tree (vsum4); keys past the last whole four reduce alone.
+template <int NR, typename T>
+static void scores(const float* q, const T* keys, int64_t L, int64_t hd, float scale, float* s, int64_t stride) {
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {
+    vec acc[NR][4];
+    for (int r = 0; r < NR; r++)
+      for (int i = 0; i < 4; i++) acc[r][i] = vzero();
+    for (int64_t d = 0; d < hd; d += LANES) {
+      vec k[4];
+      for (int i = 0; i < 4; i++) k[i] = vload(keys + (j + i) * hd + d);
+      for (int r = 0; r < NR; r++) {
+        const vec qv = vload(q + r * hd + d);
+        for (int i = 0; i < 4; i++) acc[r][i] = vfma(qv, k[i], acc[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; r++) {
+      float four[4];
+      vsum4(acc[r], 1, four);
+      for (int i = 0; i < 4; i++) s[r * stride + j + i] = four[i] * scale;
+    }
+  }
+  for (; j < L; j++)
+    for (int r = 0; r < NR; r++) {
+      vec acc = vzero();
+      for (int64_t d = 0; d < hd; d += LANES) acc = vfma(vload(q + r * hd + d), vload(keys + j * hd + d), acc);
+      s[r * stride + j] = vsum(acc) * scale;
+    }
+}
+
+// out_r = sum_j p[r][j] v_j / sum[r] for NR rows, rounded once; each value vector is widened once for all rows.
+template <int NR, typename T>
+static void weigh(const float* p, const float* sum, const T* values, int64_t L, int64_t hd, T* out, int64_t stride) {
+  for (int64_t d = 0; d < hd; d += LANES) {
+    vec acc[NR];
+    for (int r = 0; r < NR; r++) acc[r] = vzero();
+    for (int64_t j = 0; j < L; j++) {
+      const vec v = vload(values + j * hd + d);
+      for (int r = 0; r < NR; r++) acc[r] = vfma(vset(p[r * stride + j]), v, acc[r]);
+    }
+    for (int r = 0; r < NR; r++) vput(out + r * hd + d, R<T>(vdiv(acc[r], vset(sum[r]))));
+  }
+}
+
+// NR query rows (q: their hd values each) over the L keys and values of their KV head, into out (NR rows of hd):
+// softmax(q k / sqrt(hd)) v in float32, rounded once. s: scratch of NR rows of L rounded up to LANES floats.
+template <int NR, typename T>
+static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, int64_t hd, T* out, float* s) {
+  const int64_t padded = (L + LANES - 1) / LANES * LANES;
+  float qf[NR * 512], sum[NR];
+  for (int64_t i = 0; i < NR * hd; i++) qf[i] = widen(q[i]);
+  scores<NR>(qf, keys, L, hd, 1.0f / sqrtf((float)hd), s, padded);
+  for (int r = 0; r < NR; r++) {
+    float* sr = s + r * padded;
+    for (int64_t j = L; j < padded; j++) sr[j] = -INFINITY;  // e^-inf: 0
+    vec top = vset(-INFINITY);
+    for (int64_t j = 0; j < padded; j += LANES) top = vmax(top, vload(sr + j));
+    float most = -INFINITY;
+    float lanes[LANES];
+    vstore(lanes, top);
+    for (int i = 0; i < LANES; i++) most = lanes[i] > most ? lanes[i] : most;
+    vec total = vzero();
+    for (int64_t j = 0; j < padded; j += LANES) {
+      const vec e = vexp(vsub(vload(sr + j), vset(most)));
+      vstore(sr + j, e);
+      total = vadd(total, e);
+    }
+    sum[r] = vsum(total);
+  }
+  weigh<NR>(s, sum, values, L, hd, out, padded);
+}
+
+// Query heads g0 .. g0 + G - 1 of one token (q: its H heads, out: its H * hd outputs), four at a time.
 template <typename T>
 static void attend(const T* q, const T* keys, const T* values, int64_t L, int64_t g0, int64_t G, int64_t hd, T* out,
                    float* s) {
-  const int64_t V = hd / LANES, padded = (L + LANES - 1) / LANES * LANES;
-  const float scale = 1.0f / sqrtf((float)hd);
-  for (int64_t g = g0; g < g0 + G; g++) {
-    vec qv[32];
-    for (int64_t v = 0; v < V; v++) qv[v] = vload(q + g * hd + v * LANES);
-    float top = -INFINITY;
-    for (int64_t j = 0; j < L; j++) {
-      vec acc = vzero();
-      for (int64_t v = 0; v < V; v++) acc = vfma(qv[v], vload(keys + j * hd + v * LANES), acc);
-      s[j] = vsum(acc) * scale;
-      top = s[j] > top ? s[j] : top;
+  for (int64_t g = g0; g < g0 + G; g += 4) {
+    const T* qg = q + g * hd;
+    T* og = out + g * hd;
+    switch (g0 + G - g < 4 ? g0 + G - g : 4) {
+      case 1: attend_rows<1>(qg, keys, values, L, hd, og, s); break;
+      case 2: attend_rows<2>(qg, keys, values, L, hd, og, s); break;
+      case 3: attend_rows<3>(qg, keys, values, L, hd, og, s); break;
+      default: attend_rows<4>(qg, keys, values, L, hd, og, s); break;
     }
-    for (int64_t j = L; j < padded; j++) s[j] = -INFINITY;  // e^-inf: 0
-    vec total = vzero();
-    for (int64_t j = 0; j < padded; j += LANES) {
-      const vec e = vexp(vsub(vload(s + j), vset(top)));
-      vstore(s + j, e);
-      total = vadd(total, e);
-    }
-    const vec sum = vset(vsum(total));
-    vec acc[32];
-    for (int64_t v = 0; v < V; v++) acc[v] = vzero();
-    for (int64_t j = 0; j < L; j++) {
-      const vec p = vset(s[j]);
-      for (int64_t v = 0; v < V; v++) acc[v] = vfma(p, vload(values + j * hd + v * LANES), acc[v]);
-    }
-    for (int64_t v = 0; v < V; v++) vput(out + g * hd + v * LANES, R<T>(vdiv(acc[v], sum)));
   }
 }
 
@@ -176,7 +229,7 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   for (int64_t t = 0; t < n; t++) keys = visible[t] + 1 > keys ? visible[t] + 1 : keys;
   keys = (keys + LANES - 1) / LANES * LANES;
   std::vector<T> h(n * d), qkv(n * QKV), att(n * H * hd), gate_up(n * 2 * F), act(n * F), out(n * d);
-  std::vector<float> scratch(threads * keys);
+  std::vector<float> scratch(threads * 4 * keys);
   for (int64_t l = 0; l < m.layers; l++) {
     const Layer& w = m.layer[l];
     rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
@@ -198,7 +251,7 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
     for (int64_t i = 0; i < n * KVH; i++) {
       const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
       attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
-             scratch.data() + omp_get_thread_num() * keys);
+             scratch.data() + omp_get_thread_num() * 4 * keys);
     }
     product(att.data(), w.o, w.o_bias, out.data(), n, d, H * hd, threads);
     residual(x, out.data(), n * d);

@@ -71,6 +71,9 @@ static inline float vsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+static inline void vsum4(const vec* v, int stride, float* out) {
+  for (int i = 0; i < 4; i++) out[i] = vsum(v[i * stride]);
+}
 #endif
 
 static inline float widen(float v) { return v; }
