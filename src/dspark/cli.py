@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "(n-gram match against the context), the folder of a DSpark, DFlash or Eagle3-style drafter "
                         "(config.json + model.safetensors, the released layout), or lookup+default / lookup+FOLDER "
                         "(prompt lookup where the context repeats itself, that drafter elsewhere, fixed γ: on the "
-                        "bundled target the fastest single stream measured, benchmarks/results/drafters.md) "
+                        "bundled target one of the two fastest single streams measured, with prompt-lookup; "
+                        "benchmarks/results/drafters.md) "
                         "(default: %(default)s)")
     g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step: auto (async where the drafter gives "

@@ -29,8 +29,8 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, s
     before either of the last two (prompt lookup where the context repeats itself, that drafter elsewhere:
     lookup_first.py) or an instance.
 
-    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first, the fastest
-    single stream of the bundled target measured (benchmarks/results/drafters.md, row lookup+dspark); batches keep
+    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first, with lookup alone
+    the fastest single streams of the bundled target measured (benchmarks/results/drafters.md); batches keep
     DSpark under the async scheduler, which skips drafting where it does not pay."""
     if isinstance(spec, Drafter):
         return spec
