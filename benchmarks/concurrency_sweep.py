@@ -1,6 +1,7 @@
 """Confidence-scheduled verification across load: total and per-request tokens/s at R concurrent requests for
 plain decoding, fixed γ, a static threshold, Algorithm 1 and the asynchronous scheduler, on the default target
-with the default drafter; plus the Pareto frontier (per-request speed against total throughput).
+with the default drafter, and (configs lookup, lookup+dspark) prompt lookup at fixed γ 7, alone or first with the
+drafter elsewhere; plus the Pareto frontier (per-request speed against total throughput).
 
     python benchmarks/concurrency_sweep.py                 # the full sweep; writes benchmarks/results/concurrency_sweep.*
     python benchmarks/concurrency_sweep.py --quick         # smoke test
@@ -55,6 +56,9 @@ def parse_args(argv):
     if args.resume and not args.cost_table:
         p.error("--resume needs --cost-table (profile once with `dspark profile --out FILE`)")
     return args
+
+
+LOOKUP = {"lookup": "prompt-lookup", "lookup+dspark": "lookup+"}  # fixed γ 7; lookup+dspark: then the drafter
 
 
 def scheduler_of(config: str) -> tuple[str, int]:
@@ -199,6 +203,9 @@ def main(argv=None) -> int:
         name, gamma = scheduler_of(config)
         if name == "plain":
             llms[config] = base.sibling("none", "fixed", gamma=0)
+        elif name in LOOKUP:  # prompt lookup (first), the one-stream default of `dspark generate` for lookup+dspark
+            spec = LOOKUP[name] + (drafter or "default") if name == "lookup+dspark" else LOOKUP[name]
+            llms[config] = base.sibling(spec, "fixed", gamma=7)
         else:
             llms[config] = base.sibling(drafter or "default", name, gamma=gamma, threshold=args.threshold,
                                         cost_table=CostTable(**{**cost.__dict__, "correction": []}))

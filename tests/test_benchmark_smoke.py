@@ -131,6 +131,17 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
 
 
 @pytest.mark.slow
+def test_concurrency_sweep_runs_prompt_lookup_configs(tmp_path, random_drafters):
+    out = tmp_path / "lookup"
+    assert run_script("concurrency_sweep.py", ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"),
+                                               "--configs", "plain,lookup,lookup+dspark", "--out", str(out)]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert {(r["concurrency"], r["config"]) for r in rows} == {(R, c) for R in (1, 3)
+                                                               for c in ("plain", "lookup", "lookup+dspark")}
+    assert all(r["mean_verified"] > 0 for r in rows if r["config"] == "lookup+dspark")  # the drafter drafts too
+
+
+@pytest.mark.slow
 def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
     out = tmp_path / "sweep"
     assert run_script("concurrency_sweep.py", ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"),
