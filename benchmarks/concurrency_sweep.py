@@ -143,6 +143,11 @@ def headline(rows: list[dict]) -> dict:
             if c in at:
                 h[f"{c}_over_fixed7_at_max_concurrency"] = at[c] / at["fixed7"]
         h["sched_over_fixed7_at_max_concurrency"] = max(at.get("algorithm1", 0), at.get("async", 0)) / at["fixed7"]
+    for R in sorted({r["concurrency"] for r in rows}):  # the one-stream rule of `auto`: does a drafter pay at R?
+        at = {r["config"]: r["total_tokens_per_s"] for r in rows if r["concurrency"] == R}
+        for c in ("async", "lookup", "lookup+dspark"):
+            if c in at and "plain" in at:
+                h[f"{c}_over_plain_r{R}"] = at[c] / at["plain"]
     h["best_fixed_by_concurrency"] = best_fixed
     return h
 
