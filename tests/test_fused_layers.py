@@ -1,8 +1,8 @@
 """fused_layers.cpp runs the decoder layers of decode and verify forwards as model.py's layer loop does: the same
 hidden states, captured features and KV cache writes within rounding (float32 and bf16; Llama, Qwen3 with its q/k
-norms, Qwen2 with its q/k/v biases; ragged batches, and a block that reads ahead), on this CPU's instructions and
-on AVX2's; a request's results do not depend on the requests beside it; prefills, DSPARK_FUSED=0 and models it
-cannot run keep the loop."""
+norms, Qwen2 with its q/k/v biases; ragged batches, more than 16 tokens, and a block that reads ahead), on this
+CPU's instructions and on AVX2's; a request's results do not depend on the requests beside it; prefills, forwards
+of more than MAX_TOKENS, DSPARK_FUSED=0 and models it cannot run keep the loop."""
 import copy
 
 import pytest
@@ -11,6 +11,7 @@ from transformers import Qwen2Config, Qwen3Config
 
 import dspark.target.fused_layers as fused_layers
 import dspark.target.model as model_module
+from dspark.target.fused_layers import MAX_TOKENS
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch, TargetModel
 from test_skinny import MARCHES, built
@@ -71,7 +72,7 @@ def tensors(outs, cache) -> list[torch.Tensor]:
     return [t.float() for pair in outs for t in pair] + [t.float() for t in cache]
 
 
-STEPS = [([1, 5, 3], False), ([1, 1, 1], False), ([4, 2, 6], True)]
+STEPS = [([1, 5, 3], False), ([1, 1, 1], False), ([4, 2, 6], True), ([8, 7, 9], False)]  # the last: 24 tokens
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -114,6 +115,8 @@ def test_prefills_unfusable_models_and_the_switch_keep_the_loop(fused_calls, mon
     odd = random_target("llama", torch.float32, intermediate_size=120)  # not a multiple of 16
     assert not fused_layers.fusable(odd)
     run(odd, STEPS[:1])
+    assert not fused_calls
+    run(random_target("llama", torch.float32), [([MAX_TOKENS // 3 + 1] * 3, False)])  # more than MAX_TOKENS
     assert not fused_calls
     monkeypatch.setenv("DSPARK_FUSED", "0")
     run(random_target("llama", torch.float32), STEPS[:1])

@@ -86,6 +86,7 @@ def test_amx_tiles_take_the_products_of_3_to_16_bf16_rows():
 
 @needs_kernel
 def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
+    monkeypatch.setenv("DSPARK_FUSED", "0")  # the layer loop's choice (fused_layers.cpp calls the kernel itself)
     target, calls = llm_bf16.engine.target, []
     real = skinny.skinny_linear
     monkeypatch.setattr(upcast, "skinny_linear", lambda x, w, b: calls.append(len(x)) or real(x, w, b))

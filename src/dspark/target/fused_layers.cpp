@@ -18,13 +18,18 @@ void skinny_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* y, int64_t M
 void skinny_f32(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
                 int threads);
 }
+// skinny.cpp's products take up to 16 rows (skinny.py's MAX_ROWS); more rows are products of 16 at a time, each
+// row rounded as in any other forward.
+static const int64_t ROWS = 16;
 static inline void product(const bf16* x, const void* w, const void* b, bf16* y, int64_t M, int64_t N, int64_t K,
                            int threads) {
-  skinny_bf16(x, (const bf16*)w, (const bf16*)b, y, M, N, K, threads);
+  for (int64_t m = 0; m < M; m += ROWS)
+    skinny_bf16(x + m * K, (const bf16*)w, (const bf16*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K, threads);
 }
 static inline void product(const float* x, const void* w, const void* b, float* y, int64_t M, int64_t N, int64_t K,
                            int threads) {
-  skinny_f32(x, (const float*)w, (const float*)b, y, M, N, K, threads);
+  for (int64_t m = 0; m < M; m += ROWS)
+    skinny_f32(x + m * K, (const float*)w, (const float*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K, threads);
 }
 
 // v rounded to the dtype T (bf16: to nearest-even), still as float32 lanes; vput stores rounded lanes as T.

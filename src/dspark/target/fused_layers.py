@@ -8,9 +8,9 @@ skinny.cpp's products and vector loops between them: benchmarks/results/forward_
 of 75 interleaved timings) has the loop against it at 18.3 -> 10.0 ms for 1 token (1.83x), 23.4 -> 14.1 ms for
 4 (1.66x) and 24.9 -> 15.8 ms for 8 (1.58x).
 
-It takes the forwards that take skinny.py's products (at most 16 tokens, outside prefill) of models whose
-weights are dense bf16 or float32 (not GGUF groups) with sizes that are multiples of 16; DSPARK_FUSED=0 turns it
-off. Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
+It takes decode and verify forwards (not prefill) of at most MAX_TOKENS tokens of models whose weights are dense
+bf16 or float32 (not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built; DSPARK_FUSED=0
+turns it off. Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
 depend on its own row alone, as with skinny.cpp's products.
 """
 from __future__ import annotations
@@ -21,12 +21,16 @@ import os
 
 import torch
 
-from .skinny import kernel, skinny_linear
+from .skinny import kernel
 
 FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
           "gate_up_bias", "down", "down_bias")
 FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
+# forwards of more tokens take model.py's loop: fused_layers.cpp reads the weights once per 16 tokens, PyTorch's
+# products once (SmolLM2-135M bf16, 2-core AMX Xeon, after 200 cached tokens, ad hoc medians of 10, loop -> fused:
+# 32 tokens 52.9 -> 36.6 ms, 64 68.7 -> 58.4, 128 127.3 -> 108.4, 192 130.4 -> 156.4, 256 153.5 -> 210.7)
+MAX_TOKENS = 128
 
 
 class LayerWeights(ctypes.Structure):
@@ -88,10 +92,11 @@ def model_weights(model) -> ModelWeights | None:
     return cached[1]
 
 
-def fused_weights(model, batch, product) -> ModelWeights | None:
-    """The model's weight table where this forward runs through fused_layers.cpp (skinny.py's products were
-    chosen: few rows, not a prefill; the model is fusable; DSPARK_FUSED is not 0), else None."""
-    if product is not skinny_linear or batch.prefill or os.environ.get("DSPARK_FUSED", "1") == "0":
+def fused_weights(model, batch) -> ModelWeights | None:
+    """The model's weight table where this forward runs through fused_layers.cpp (not a prefill, at most MAX_TOKENS
+    tokens, skinny.cpp built, the model fusable, DSPARK_FUSED not 0), else None."""
+    if (batch.prefill or len(batch.tokens) > MAX_TOKENS or os.environ.get("DSPARK_FUSED", "1") == "0"
+            or kernel() is None):
         return None
     return model_weights(model)
 

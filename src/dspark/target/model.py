@@ -269,10 +269,10 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        product = product_kernel(x, self.lm_head.weight, batch.prefill)
-        if (weights := fused_weights(self, batch, product)) is not None:  # decode and verify: the layers in one call
+        if (weights := fused_weights(self, batch)) is not None:  # decode and verify: the layers in one call
             features = fused_forward(self, weights, x, cos, sin, batch, cache)
             return TargetOutput(self.norm(x), features)
+        product = product_kernel(x, self.lm_head.weight, batch.prefill)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, product)
