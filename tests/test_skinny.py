@@ -84,6 +84,45 @@ def test_amx_tiles_take_the_products_of_3_to_16_bf16_rows():
         assert bool((out == 30).all()) == (rows < AMX_ROWS), (rows, out[0, 0].item())
 
 
+needs_tiles = pytest.mark.skipif(not (kernel() is not None and skinny.runs_tiles()), reason="no AMX tiles here")
+
+
+@needs_tiles
+def test_packed_tiles_give_the_products_bit_for_bit():
+    g = torch.Generator().manual_seed(2)
+    for n, k in ((64, 96), (80, 576), (32, 1536)):  # 80: two whole blocks of 32 rows, 16 rows beside them
+        layer = torch.nn.Linear(k, n).bfloat16()
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, generator=g))
+            layer.bias.copy_(torch.randn(n, generator=g))
+        packed = skinny.tiles(layer)
+        assert packed is not None and skinny.tiles(layer) is packed  # made once
+        for rows in range(1, MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            for b in (None, layer.bias):
+                in_place = skinny_linear(x, layer.weight, b)
+                assert torch.equal(skinny_linear(x, layer.weight, b, packed=packed), in_place), (n, k, rows)
+
+
+@needs_tiles
+def test_tiles_pack_16_by_32_blocks_in_order_of_k():
+    layer = torch.nn.Linear(96, 64, bias=False).bfloat16()
+    packed = skinny.tiles(layer)
+    assert packed.shape == (4, 3, 16, 32)
+    w = layer.weight
+    for a, c, r, j in ((0, 0, 0, 0), (1, 2, 5, 31), (3, 1, 15, 7)):
+        assert packed[a, c, r, j] == w[16 * a + r, 32 * c + j]
+    with torch.no_grad():
+        layer.weight.add_(1)  # a changed weight is packed again
+    assert torch.equal(skinny.tiles(layer)[1, 2, 5, 31], layer.weight[21, 95])
+
+
+def test_tiles_only_for_bf16_weights_in_whole_tiles():
+    assert skinny.tiles(torch.nn.Linear(96, 64)) is None  # float32
+    assert skinny.tiles(torch.nn.Linear(40, 64).bfloat16()) is None  # K not a multiple of 32
+    assert skinny.tiles(torch.nn.Linear(96, 40).bfloat16()) is None  # N not a multiple of 16
+
+
 @needs_kernel
 def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
     monkeypatch.setenv("DSPARK_FUSED", "0")  # the layer loop's choice (fused_layers.cpp calls the kernel itself)

@@ -14,22 +14,25 @@
 #include "simd.h"
 
 extern "C" {
-void skinny_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K, int threads);
-void skinny_f32(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t N, int64_t K,
-                int threads);
+void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N,
+                 int64_t K, int threads);
+void skinny_f32(const float* x, const float* w, const float* wt, const float* b, float* y, int64_t M, int64_t N,
+                int64_t K, int threads);
 }
 // skinny.cpp's products take up to 16 rows (skinny.py's MAX_ROWS); more rows are products of 16 at a time, each
-// row rounded as in any other forward.
+// row rounded as in any other forward. wt: the weight packed for AMX's tiles (skinny.py's `tiles`), or null.
 static const int64_t ROWS = 16;
-static inline void product(const bf16* x, const void* w, const void* b, bf16* y, int64_t M, int64_t N, int64_t K,
-                           int threads) {
+static inline void product(const bf16* x, const void* w, const void* wt, const void* b, bf16* y, int64_t M, int64_t N,
+                           int64_t K, int threads) {
   for (int64_t m = 0; m < M; m += ROWS)
-    skinny_bf16(x + m * K, (const bf16*)w, (const bf16*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K, threads);
+    skinny_bf16(x + m * K, (const bf16*)w, (const bf16*)wt, (const bf16*)b, y + m * N, M - m < ROWS ? M - m : ROWS,
+                N, K, threads);
 }
-static inline void product(const float* x, const void* w, const void* b, float* y, int64_t M, int64_t N, int64_t K,
-                           int threads) {
+static inline void product(const float* x, const void* w, const void*, const void* b, float* y, int64_t M, int64_t N,
+                           int64_t K, int threads) {
   for (int64_t m = 0; m < M; m += ROWS)
-    skinny_f32(x + m * K, (const float*)w, (const float*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K, threads);
+    skinny_f32(x + m * K, (const float*)w, nullptr, (const float*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K,
+               threads);
 }
 
 // v rounded to the dtype T (bf16: to nearest-even), still as float32 lanes; vput stores rounded lanes as T.
@@ -82,6 +85,7 @@ static inline vec vexp(vec x) {
 struct Layer {
   const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down,
       *down_bias;
+  const void *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;  // the products' packed weights, or null
 };
 
 struct Model {
@@ -238,7 +242,7 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   for (int64_t l = 0; l < m.layers; l++) {
     const Layer& w = m.layer[l];
     rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
-    product(h.data(), w.qkv, w.qkv_bias, qkv.data(), n, QKV, d, threads);
+    product(h.data(), w.qkv, w.qkv_tiles, w.qkv_bias, qkv.data(), n, QKV, d, threads);
     for (int64_t t = 0; t < n; t++) {
       T* row = qkv.data() + t * QKV;
       if (w.q_norm) {
@@ -258,12 +262,12 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
       attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
              scratch.data() + omp_get_thread_num() * 4 * keys);
     }
-    product(att.data(), w.o, w.o_bias, out.data(), n, d, H * hd, threads);
+    product(att.data(), w.o, w.o_tiles, w.o_bias, out.data(), n, d, H * hd, threads);
     residual(x, out.data(), n * d);
     rms_norm(x, w.post_norm, h.data(), n, d, m.eps);
-    product(h.data(), w.gate_up, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads);
+    product(h.data(), w.gate_up, w.gate_up_tiles, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads);
     silu_mul(gate_up.data(), act.data(), n, F);
-    product(act.data(), w.down, w.down_bias, out.data(), n, d, F, threads);
+    product(act.data(), w.down, w.down_tiles, w.down_bias, out.data(), n, d, F, threads);
     residual(x, out.data(), n * d);
     if (capture[l] >= 0)
       for (int64_t t = 0; t < n; t++) memcpy(features + t * width + capture[l] * d, x + t * d, d * sizeof(T));

@@ -21,10 +21,10 @@ import os
 
 import torch
 
-from .skinny import kernel
+from .skinny import kernel, tiles
 
 FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
-          "gate_up_bias", "down", "down_bias")
+          "gate_up_bias", "down", "down_bias", "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")
 FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
 # forwards of more tokens take model.py's loop: fused_layers.cpp reads the weights once per 16 tokens, PyTorch's
@@ -52,7 +52,7 @@ def layer_weights(layer) -> LayerWeights:
     k_norm = attn.k_norm.weight if attn.qk_norm else None
     tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
                attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-               mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+               mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, *map(tiles, linears(layer)))
     return LayerWeights(*map(pointer, tensors))
 
 
@@ -74,9 +74,9 @@ def fusable(model) -> bool:
 
 
 def model_weights(model) -> ModelWeights | None:
-    """The layers' weight pointers for fused_layers.cpp, built once per model (and again if its weights move);
-    None where it cannot run them."""
-    key = tuple(getattr(m, "weight", None) is not None and m.weight.data_ptr()
+    """The layers' weight pointers for fused_layers.cpp (with their copies packed for AMX, skinny.tiles), built once
+    per model (and again if its weights move or change); None where it cannot run them."""
+    key = tuple(getattr(m, "weight", None) is not None and (m.weight.data_ptr(), m.weight._version)
                 for m in (*linears(model.layers[0]), *linears(model.layers[-1]))) + (model.dtype,)
     cached = getattr(model, "_fused_weights", None)
     if cached is None or cached[0] != key:

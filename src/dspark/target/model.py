@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .fused_layers import fused_forward, fused_weights
 from .groups import Groups
 from .onednn import linear
-from .skinny import skinny_linear
+from .skinny import skinny_linear, tiles
 from .upcast import product_kernel
 
 
@@ -64,13 +64,16 @@ class FlatBatch:
 
 class Linear(nn.Linear):
     """nn.Linear through the kernel upcast.product_kernel chose for the forward (default: onednn.py's choice);
-    skinny.py's kernel reads the weight's GGUF groups where it has them (groups.py: the same result)."""
+    skinny.py's kernel reads the weight's GGUF groups where it has them (groups.py) and its copy packed for AMX's
+    tiles where the CPU has them (skinny.tiles), each the same result."""
 
     groups: Groups | None = None
 
     def forward(self, x: torch.Tensor, product=linear) -> torch.Tensor:
-        if product is skinny_linear and self.groups is not None:
-            return self.groups(x, self.bias)
+        if product is skinny_linear:
+            if self.groups is not None:
+                return self.groups(x, self.bias)
+            return skinny_linear(x, self.weight, self.bias, packed=tiles(self))
         return product(x, self.weight, self.bias)
 
 
