@@ -240,7 +240,7 @@ def test_streamed_deltas_concatenate_to_the_final_text(llm_bf16, chat_prompts):
     request."""
     rest = [SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0.8, max_tokens=32, seed=3)]
     # the texts without stop strings, from the same batch: in bf16 a token's rounding, and so the greedy text, may
-    # change with the number of tokens in the forward (products of up to 16 rows, AMX tiles from 3 rows on)
+    # change with the number of tokens in the forward (products of up to 16 rows, AMX tiles from 2 rows on)
     plain = llm_bf16.generate(chat_prompts, [SamplingParams(temperature=0, max_tokens=32)] * 2 + rest, chat=True)
     params = [SamplingParams(temperature=0, max_tokens=32, stop=[o.text[25:29]]) for o in plain[:2]] + rest
     outs, events = stream(llm_bf16, chat_prompts, params, chat=True)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import dspark.target.upcast as upcast
 import dspark.target.skinny as skinny
-from dspark.target.skinny import AMX_ROWS, MAX_ROWS, kernel, skinny_linear
+from dspark.target.skinny import MAX_ROWS, kernel, skinny_linear
 from test_upcast import prefill
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="skinny.cpp cannot be built on this machine")
@@ -53,6 +53,20 @@ def test_the_kernel_computes_the_product(dtype, tol, march):
                 assert (out.double() - exact).abs().max() <= tol * exact.abs().max(), (n, k, rows, b is None)
 
 
+needs_tiles = pytest.mark.skipif(not (kernel() is not None and skinny.runs_tiles()), reason="no AMX tiles here")
+AMX_MIN_ROWS = 2  # skinny.cpp's: from it, products over packed weights run on the tiles
+
+
+def packed_linear(n: int, k: int, seed: int) -> torch.nn.Linear:
+    """A bf16 layer with random weights and bias, its weight packed for AMX's tiles (skinny.tiles)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(k, n).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g))
+        layer.bias.copy_(torch.randn(n, generator=g))
+    return layer
+
+
 @pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
@@ -61,60 +75,55 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
     weight = torch.randn(300, 1000, generator=g).to(dtype)
     x = torch.randn(MAX_ROWS, 1000, generator=g).to(dtype)
     alone = torch.cat([skinny_linear(x[i:i + 1], weight, None, lib) for i in range(MAX_ROWS)])
-    full = skinny_linear(x, weight, None, lib)  # on AMX's tiles where this build has them
     for rows in range(2, MAX_ROWS + 1):
-        same = full if tiles(march, dtype) and rows >= AMX_ROWS else alone
-        assert torch.equal(skinny_linear(x[:rows], weight, None, lib), same[:rows]), rows
+        assert torch.equal(skinny_linear(x[:rows], weight, None, lib), alone[:rows]), rows
 
 
-def tiles(march: str, dtype) -> bool:
-    """Whether bf16 products of AMX_ROWS..MAX_ROWS rows run on AMX's tiles in this build."""
-    return march == "native" and dtype == torch.bfloat16 and cpu_has("amx_tile", "amx_bf16")
+@needs_tiles
+def test_packed_weights_give_the_product_and_rows_alone():
+    g = torch.Generator().manual_seed(2)
+    for n, k in ((64, 96), (80, 576), (32, 1536)):  # 80: two whole blocks of 32 rows, 16 rows beside them
+        layer = packed_linear(n, k, n + k)
+        packed = skinny.tiles(layer)
+        assert packed is not None and skinny.tiles(layer) is packed  # made once
+        x = torch.randn(MAX_ROWS, k, generator=g).bfloat16()
+        for b in (None, layer.bias):
+            full = skinny_linear(x, layer.weight, b, packed=packed)
+            exact = torch.nn.functional.linear(x.double(), layer.weight.double(), None if b is None else b.double())
+            assert (full.double() - exact).abs().max() <= 1e-2 * exact.abs().max(), (n, k)
+            for rows in range(AMX_MIN_ROWS, MAX_ROWS):  # one row: vdpbf16ps, as without the copy
+                assert torch.equal(skinny_linear(x[:rows], layer.weight, b, packed=packed), full[:rows]), (n, k, rows)
+            one = skinny_linear(x[:1], layer.weight, b, packed=packed)
+            assert torch.equal(one, skinny_linear(x[:1], layer.weight, b)), (n, k)
 
 
-@pytest.mark.skipif(not cpu_has("amx_tile", "amx_bf16", "avx512_bf16"), reason="no AMX")
-def test_amx_tiles_take_the_products_of_3_to_16_bf16_rows():
+@needs_tiles
+def test_packed_weights_take_amx_tiles_from_2_rows():
     # a sum whose result shows its order: vdpbf16ps keeps 2^25 and -2^25 in one lane, where they cancel, and the
     # 30 ones in others (30); AMX's tiles add the ones to 2^25 (lost to rounding) before -2^25 arrives
     x = torch.zeros(64)
     x[0], x[2:32], x[32] = 2.0**25, 1.0, -(2.0**25)
-    weight = torch.ones(32, 64).bfloat16()  # one whole block of weight rows
+    layer = torch.nn.Linear(64, 32, bias=False).bfloat16()  # one whole block of weight rows
+    with torch.no_grad():
+        layer.weight.fill_(1)
     for rows in range(1, MAX_ROWS + 1):
-        out = skinny_linear(x.repeat(rows, 1).bfloat16(), weight, None, built("native"))
-        assert bool((out == 30).all()) == (rows < AMX_ROWS), (rows, out[0, 0].item())
-
-
-needs_tiles = pytest.mark.skipif(not (kernel() is not None and skinny.runs_tiles()), reason="no AMX tiles here")
-
-
-@needs_tiles
-def test_packed_tiles_give_the_products_bit_for_bit():
-    g = torch.Generator().manual_seed(2)
-    for n, k in ((64, 96), (80, 576), (32, 1536)):  # 80: two whole blocks of 32 rows, 16 rows beside them
-        layer = torch.nn.Linear(k, n).bfloat16()
-        with torch.no_grad():
-            layer.weight.copy_(torch.randn(n, k, generator=g))
-            layer.bias.copy_(torch.randn(n, generator=g))
-        packed = skinny.tiles(layer)
-        assert packed is not None and skinny.tiles(layer) is packed  # made once
-        for rows in range(1, MAX_ROWS + 1):
-            x = torch.randn(rows, k, generator=g).bfloat16()
-            for b in (None, layer.bias):
-                in_place = skinny_linear(x, layer.weight, b)
-                assert torch.equal(skinny_linear(x, layer.weight, b, packed=packed), in_place), (n, k, rows)
+        rows_x = x.repeat(rows, 1).bfloat16()
+        assert bool((skinny_linear(rows_x, layer.weight) == 30).all()), rows  # in place: vdpbf16ps
+        out = skinny_linear(rows_x, layer.weight, packed=skinny.tiles(layer))
+        assert bool((out == 30).all()) == (rows < AMX_MIN_ROWS), (rows, out[0, 0].item())
 
 
 @needs_tiles
-def test_tiles_pack_16_by_32_blocks_in_order_of_k():
-    layer = torch.nn.Linear(96, 64, bias=False).bfloat16()
+def test_tiles_pack_16_by_32_blocks_as_column_pairs():
+    layer = packed_linear(64, 96, 3)
     packed = skinny.tiles(layer)
-    assert packed.shape == (4, 3, 16, 32)
+    assert packed.shape == (4, 3, 16, 16, 2)
     w = layer.weight
-    for a, c, r, j in ((0, 0, 0, 0), (1, 2, 5, 31), (3, 1, 15, 7)):
-        assert packed[a, c, r, j] == w[16 * a + r, 32 * c + j]
+    for a, c, p, r, i in ((0, 0, 0, 0, 0), (1, 2, 5, 15, 1), (3, 1, 15, 7, 0)):
+        assert packed[a, c, p, r, i] == w[16 * a + r, 32 * c + 2 * p + i]
     with torch.no_grad():
         layer.weight.add_(1)  # a changed weight is packed again
-    assert torch.equal(skinny.tiles(layer)[1, 2, 5, 31], layer.weight[21, 95])
+    assert torch.equal(skinny.tiles(layer)[1, 2, 5, 15, 1], layer.weight[31, 75])
 
 
 def test_tiles_only_for_bf16_weights_in_whole_tiles():

@@ -95,3 +95,29 @@ static inline void narrow(float v, bf16* p) {
   u += 0x7fffu + ((u >> 16) & 1u);
   *p = (bf16)(u >> 16);
 }
+
+// v rounded to the dtype T (bf16: to nearest-even), still as float32 lanes; vput stores rounded lanes as T.
+static inline vec vround(vec v, const float*) { return v; }
+static inline void vput(float* p, vec v) { vstore(p, v); }
+#if defined(__AVX512F__)
+static inline vec vround(vec v, const bf16*) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void vput(bf16* p, vec v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#else
+static inline vec vround(vec v, const bf16*) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+static inline void vput(bf16* p, vec v) {
+  __m256i s = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1)));
+}
+#endif

@@ -2,10 +2,10 @@
 //
 // Each thread streams its share of the weight rows once for all rows of x: a tile is two weight rows (AVX2) or
 // four (AVX-512) against up to four rows of x, in float32 with fused multiply-adds, or with vdpbf16ps on bf16
-// pairs where the CPU has AVX-512 BF16, or on AMX's tiles for bf16 products of 3 to 16 rows where the CPU has
-// them (reading the weight's copy packed tile by tile where skinny.py made one). Every output's sum runs in one order whatever the number of rows (one vector accumulator over k, then the
-// same lane-sum tree, scalar tail and bias), so a row's result never depends on the other rows of the product
-// (on AMX CPUs: within 1-2 and within 3-16 rows). bf16 values are widened exactly and results rounded to
+// pairs where the CPU has AVX-512 BF16, or on AMX's tiles for bf16 weights with a copy packed for them where the
+// CPU has them. Every output's sum runs in one order whatever the number of rows (one vector accumulator over k,
+// then the same lane-sum tree, scalar tail and bias; or the tiles' chunks in order), so a row's result never
+// depends on the other rows of the product. bf16 values are widened exactly and results rounded to
 // nearest-even, as PyTorch rounds.
 #include <omp.h>
 #include <math.h>
@@ -131,22 +131,24 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// With AMX (Intel Xeon since Sapphire Rapids), bf16 products of AMX_MIN_ROWS..16 rows run on the tile unit: one
-// tdpbf16ps multiplies 16 weight rows by 32 columns against up to 16 rows of x, so a product of 8 rows costs
-// about one read of the weights. It computes y^T = w x^T: tile A is 16 weight rows loaded in place (stride K),
-// tile B holds x's 32 columns as pairs (xp below, packed once per call), tile C the 16 x M float32 sums. Every
-// output sums its 32-column chunks in order, so within that range its result does not depend on M either.
-// Fewer rows stay on vdpbf16ps, which streams weights from L3 faster: measured on a 2-core Xeon with AMX (ad hoc,
-// SmolLM2-135M, all products of one forward, medians of 13): 1 row 11.2 ms vdpbf16ps / 12.7 ms AMX, 8 rows
-// 19.9 / 14.3 ms. Whole verify forwards after 200 cached tokens (builds with the tiles from 6, 4, 3, 2 rows
-// interleaved, medians of 80), tiles from 6 -> from 3 rows: 3 tokens 21.0 -> 20.2 ms, 4 tokens 21.9 -> 20.7 ms,
-// 5 tokens 24.4 -> 21.0 ms; from 2 rows, 2 tokens 19.6 -> 19.4 ms (noise is ~0.5 ms); tiles for 1 row too made
-// 1 token 18.0 -> 18.8 ms (medians of 40).
+// With AMX (Intel Xeon since Sapphire Rapids), bf16 products of 2 to 16 rows over a weight that has a packed copy
+// (skinny.py's `tiles`) run on the tile unit: one tdpbf16ps multiplies up to 16 rows of x by 32 columns of 16 weight
+// rows. Tile A is x itself (M rows, stride K), tile B 16 weight rows' 32 columns as column pairs, 1 KB contiguous
+// in the copy ([N/16][K/32][16 pairs][16 rows][2]), so the weights stream from memory in order and a few tiles
+// ahead are asked for; tile C holds the M x 16 float32 sums, one x row's 16 outputs per C row, stored with vector
+// instructions. Every output sums its 32-column chunks in order whatever M, so a row's result does not depend on
+// the rows beside it (within 2-16 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad
+// hoc, all products of SmolLM2-135M's layers, bf16, medians of 15, two runs each): 4 rows 7.2 ms, 8 rows 8.0 ms,
+// 16 rows 8.0-8.6 ms, where tiles reading the weight rows in place took 11.5, 11.5 and 13.5 ms, and vdpbf16ps
+// takes 7.1-7.5 ms for one row. Whole forwards (fused_layers.cpp with the LM head, after 300 cached tokens,
+// vdpbf16ps and tiles interleaved, medians of 80, two runs): 2 tokens 12.4 -> 11.9-12.2 ms, but 1 token 10.6 ->
+// 11.5 ms, so one row stays on vdpbf16ps.
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static const int64_t AMX_ROWS = 32;  // weight rows per block: two 16-row tiles, two accumulators
-static const int64_t AMX_MIN_ROWS = 3;  // fewer rows: vdpbf16ps (see above)
+static const int64_t AMX_ROWS = 32;  // weight rows per block: two tiles of 16, two accumulators
+static const int64_t AHEAD = 4;  // tiles asked for ahead
+static const int64_t AMX_MIN_ROWS = 2;  // one row stays on vdpbf16ps (see above)
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -160,58 +162,45 @@ static bool amx_permitted() {
   return ok;
 }
 
-// Tiles 0-1: sums C (16 weight rows x M floats); 2-3: weights A (16 rows x 32 bf16); 4: x pairs B (16 x M pairs).
+// Tiles 0-1: sums C (M rows x 16 floats); 2-3: weights B (16 column pairs x 16 rows); 4: x A (M rows x 32 bf16).
 static void configure_tiles(int64_t M) {
   TileConfig c = {};
   c.palette = 1;
   for (int t = 0; t < 5; t++) {
-    c.rows[t] = 16;
-    c.colsb[t] = t == 2 || t == 3 ? 64 : M * 4;
+    c.rows[t] = t == 2 || t == 3 ? 16 : M;
+    c.colsb[t] = 64;
   }
   _tile_loadconfig(&c);
 }
 
-// x [M, K] -> xp[c][r][m][p] = x[m][32c + 2r + p]: tile B of column chunk c, for whole chunks of 32 columns.
-static std::vector<bf16> pack_pairs(const bf16* x, int64_t M, int64_t K) {
-  std::vector<bf16> xp((K / 32) * 32 * M);
-  for (int64_t c = 0; c < K / 32; c++)
-    for (int64_t r = 0; r < 16; r++)
-      for (int64_t m = 0; m < M; m++)
-        for (int64_t p = 0; p < 2; p++) xp[((c * 16 + r) * M + m) * 2 + p] = x[m * K + c * 32 + 2 * r + p];
-  return xp;
-}
-
-// Weight rows n .. n+31 against all M rows of x (xp: x packed by pack_pairs). Tile A comes from the weight's rows in
-// place (16 rows K apart) or, where wt is given, from its packed copy (skinny.py's `tiles`: [N/16][K/32][16][32],
-// each tile's 1 KB contiguous and the tiles of 16 rows in order of k), which streams from memory in order and is
-// asked for a few tiles ahead. Both give the same sums. Measured on a 2-core Xeon with AMX (ad hoc, all products of
-// SmolLM2-135M's layers, bf16, medians of 15, two runs): in place -> packed, 4 rows 11.6 -> 8.4 ms, 8 rows 11.5 ->
-// 9.1 ms, 16 rows 13.5 -> 10.1 ms, against 7.6 ms for 1 row on vdpbf16ps.
-static const int64_t AHEAD = 4;  // tiles
-static void block_amx(const bf16* x, const bf16* xp, const Dense<bf16>& w, const bf16* wt, const bf16* b, bf16* y,
-                      int64_t M, int64_t N, int64_t K, int64_t n) {
+// Weight rows n .. n+31 (wt: the packed copy) against all M rows of x; K is a multiple of 32.
+static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n) {
   _tile_zero(0);
   _tile_zero(1);
-  const int64_t chunks = K / 32, second = wt ? chunks * 512 : 16 * K, stride = wt ? 64 : K * 2;
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const bf16* a = wt ? wt + ((n / 16) * chunks + k / 32) * 512 : w.w + n * K + k;
-    if (wt)
-      for (int64_t line = 0; line < 512; line += 32) {  // prefetching past the end is harmless
-        _mm_prefetch((const char*)(a + AHEAD * 512 + line), _MM_HINT_T0);
-        _mm_prefetch((const char*)(a + second + AHEAD * 512 + line), _MM_HINT_T0);
-      }
-    _tile_loadd(4, xp + k * M, M * 4);
-    _tile_loadd(2, a, stride);
-    _tile_loadd(3, a + second, stride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
+  const int64_t chunks = K / 32;
+  const bf16* w0 = wt + (n / 16) * chunks * 512;
+  const bf16* w1 = w0 + chunks * 512;
+  for (int64_t c = 0; c < chunks; c++) {
+    for (int64_t line = 0; line < 512; line += 32) {  // prefetching past the end is harmless
+      _mm_prefetch((const char*)(w0 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w1 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + c * 32, K * 2);
+    _tile_loadd(2, w0 + c * 512, 64);
+    _tile_loadd(3, w1 + c * 512, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_dpbf16ps(1, 4, 3);
   }
-  float sums[AMX_ROWS][16];
+  float sums[2][16][16];
   _tile_stored(0, sums[0], 64);
-  _tile_stored(1, sums[16], 64);
-  for (int64_t i = 0; i < AMX_ROWS; i++)
-    for (int64_t j = 0; j < M; j++) store(sums[i][j], x, w, b, y, N, K, k, n + i, j);
+  _tile_stored(1, sums[1], 64);
+  for (int64_t j = 0; j < M; j++)
+    for (int h = 0; h < 2; h++) {
+      const int64_t at = n + 16 * h;
+      const vec s = vload(sums[h][j]);
+      vput(y + j * N + at, vround(b ? vadd(s, vload(b + at)) : s, y));
+    }
 }
 #endif
 
@@ -279,21 +268,17 @@ static const int WROWS = LANES == 16 ? 4 : 2;  // weight rows per tile: 4 x 4 ac
 #define SKINNY_AMX 1
 #endif
 
-// Whether whole blocks of bf16 weight rows take the AMX tiles (AMX_MIN_ROWS..16 rows, where compiled in and Linux
-// grants them), with x packed for them; float32 products, and CPUs without AMX, never do.
+// Whether whole blocks of bf16 weight rows take the AMX tiles: a packed copy given (wt), AMX_MIN_ROWS..16 rows,
+// compiled in and granted by Linux; float32 products, and CPUs without AMX, never do.
 struct Tiles {
   bool on = false;
   int64_t M = 0;
-  std::vector<bf16> xp;
-  const bf16* wt = nullptr;  // the weight packed tile by tile (see block_amx), or null
-  Tiles(const float*, const void*, int64_t, int64_t) {}
-  Tiles(const bf16* x, const void* packed, int64_t rows, int64_t K) : M(rows), wt((const bf16*)packed) {
+  const bf16* wt = nullptr;
+  Tiles(const float*, const void*, int64_t) {}
+  Tiles(const bf16*, const void* packed, int64_t rows) : M(rows), wt((const bf16*)packed) {
 #ifdef SKINNY_AMX
     static_assert(BLOCK == AMX_ROWS, "a work item is one AMX block");
-    on = M >= AMX_MIN_ROWS && M <= 16 && amx_permitted();
-    if (on) xp = pack_pairs(x, M, K);
-#else
-    (void)x, (void)K;
+    on = wt && M >= AMX_MIN_ROWS && M <= 16 && amx_permitted();
 #endif
   }
   void begin() const {
@@ -307,12 +292,12 @@ struct Tiles {
 #endif
   }
   template <typename W>
-  void block(const float*, const W&, const float*, float*, int64_t, int64_t, int64_t, int64_t) const {}
-  void block(const bf16* x, const Dense<bf16>& w, const bf16* b, bf16* y, int64_t, int64_t N, int64_t K, int64_t n) const {
+  void block(const float*, const W&, const float*, float*, int64_t, int64_t, int64_t) const {}
+  void block(const bf16* x, const Dense<bf16>&, const bf16* b, bf16* y, int64_t N, int64_t K, int64_t n) const {
 #ifdef SKINNY_AMX
-    block_amx(x, xp.data(), w, wt, b, y, M, N, K, n);
+    block_amx(x, wt, b, y, M, N, K, n);
 #else
-    (void)x, (void)w, (void)b, (void)y, (void)N, (void)K, (void)n;
+    (void)x, (void)b, (void)y, (void)N, (void)K, (void)n;
 #endif
   }
 };
@@ -321,7 +306,7 @@ template <typename T, typename W>
 static void product(const T* x, const W& w, const void* wt, const T* b, T* y, int64_t M, int64_t N, int64_t K,
                     int threads) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  const Tiles tiles(x, wt, M, K);
+  const Tiles tiles(x, wt, M);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buffer;
@@ -332,7 +317,7 @@ static void product(const T* x, const W& w, const void* wt, const T* b, T* y, in
       const int64_t end = blk * BLOCK + BLOCK < N ? blk * BLOCK + BLOCK : N;
       int64_t n = blk * BLOCK;
       if (tiles.on && end - n == BLOCK) {
-        tiles.block(x, w, b, y, M, N, K, n);
+        tiles.block(x, w, b, y, N, K, n);
         continue;
       }
       for (; n + WROWS <= end; n += WROWS) rows<WROWS>(x, xf, w, b, y, M, N, K, n);

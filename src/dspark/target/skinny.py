@@ -4,7 +4,7 @@ A decode or verify forward multiplies a handful of rows by every weight of the m
 cost about one read of the weights. skinny.cpp streams each weight row once for all rows (4 rows of weights
 against 4 rows of input per tile on AVX-512, bf16 pairs through vdpbf16ps where the CPU has AVX-512 BF16),
 accumulates in float32, and gives every row the same result whatever else is in the product (tested), so
-verifying 8 tokens rounds each of them as decoding it alone would (on CPUs with AMX: see below). Each tile asks for the next tile's weight
+verifying 8 tokens rounds each of them as decoding it alone would. Each tile asks for the next tile's weight
 rows ahead (prefetch): without it, products of several rows waited on memory. Measured on a 2-core Zen 5 EPYC
 VM with AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off
 interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.32x), 4 tokens 1.49x, 8 tokens
@@ -13,17 +13,11 @@ interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.
 kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's
 rounding can then change with the number of rows in the forward.
 
-On Intel CPUs with AMX, bf16 products of AMX_ROWS (3) to 16 rows run on the tile unit instead, whose cost hardly
-grows with the rows: on a 2-core Xeon with AMX (ad hoc, one verify forward after 200 cached tokens, the builds
-interleaved, medians of 16), vdpbf16ps -> tiles: 7 tokens 30.5 -> 29.3 ms, 8 tokens 32.0 -> 29.1 ms, 16 tokens
-49.5 -> 35.2 ms; and (medians of 80) tiles from 6 -> from 3 rows: 3 tokens 21.0 -> 20.2 ms, 5 tokens 24.4 -> 21.0 ms,
-while 2 tokens gain nothing (19.6 -> 19.4 ms, within noise) and 1 token loses (18.0 -> 18.8 ms), hence the
-threshold (skinny.cpp has the figures). A row then rounds alike within 1-2 rows and within 3-16 rows, so on those
-CPUs a bf16 verify row may differ in its last bit from decoding the token alone (float32 never takes the tiles).
-The tiles read a copy of each weight packed tile by tile (`tiles`, made on first use; the same sums), which
-streams from memory in order: on the same Xeon (ad hoc, SmolLM2-135M bf16, whole forwards with the LM head after
-300 cached tokens, in place and packed interleaved, medians of 80) 4 tokens 14.5 -> 13.1 ms, 8 tokens 16.8 ->
-15.7 ms, 16 tokens 22.1 -> 21.1 ms. The copy doubles the bf16 weights' memory on those CPUs.
+On Intel CPUs with AMX, bf16 products over a weight with a copy packed for the tile unit (`tiles`: made on first
+use for the target's and the drafters' linear layers, so the bf16 weights take twice their memory on those CPUs)
+run on the tiles, up to 16 rows at a time, whose cost hardly grows with the rows and whose weight tiles stream
+from memory in order (skinny.cpp's block_amx has the product figures). Every row count runs there, so a row
+still rounds alike whatever the rows beside it. Weights without a copy take vdpbf16ps.
 
 float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
 
@@ -54,7 +48,6 @@ SOURCES = (SOURCE, SOURCE.with_name("fused_layers.cpp"))
 HEADERS = (SOURCE.with_name("simd.h"),)
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
-AMX_ROWS = 3  # skinny.cpp's AMX_MIN_ROWS: from it, bf16 products take AMX's tiles where the CPU has them
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}
 
 
@@ -136,11 +129,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def tiles(linear: torch.nn.Module) -> torch.Tensor | None:
-    """The bf16 weight [N, K] of `linear` packed for AMX's tiles, [N/16, K/32, 16, 32] (each 16 x 32 tile
-    contiguous, in order of k): skinny.cpp's products of AMX_ROWS..MAX_ROWS rows read it in order instead of
-    16 rows at once, the same sums faster (skinny.cpp's block_amx has the figures). Made on first use and kept on
-    the module (a second copy of the weight); None where the CPU runs no tiles, the weight is not bf16, or N is
-    no multiple of 16 or K of 32 (rows past the last whole 32 are read in place)."""
+    """The bf16 weight [N, K] of `linear` packed for AMX's tiles: [N/16, K/32, 16, 16, 2], element [a, c, p, r, i]
+    = weight[16a + r, 32c + 2p + i], so each tile (16 rows by 32 columns, as column pairs) is 1 KB contiguous and a
+    block of 16 rows reads in order of k. Made on first use and kept on the module (a second copy of the weight);
+    None where the CPU runs no tiles, the weight is not bf16, or N is no multiple of 16 or K of 32 (rows past the
+    last whole 32 are read in place, on vdpbf16ps)."""
     weight = getattr(linear, "weight", None)
     if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and runs_tiles()):
@@ -149,7 +142,7 @@ def tiles(linear: torch.nn.Module) -> torch.Tensor | None:
     cached = getattr(linear, "_tiles", None)
     if cached is None or cached[0] != key:
         n, k = weight.shape
-        packed = weight.detach().view(n // 16, 16, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+        packed = weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         cached = linear._tiles = (key, packed)
     return cached[1]
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from .groups import HEAD_ROWS
 from .onednn import linear
-from .skinny import skinny_linear, takes_skinny
+from .skinny import skinny_linear, takes_skinny, tiles
 
 CHUNK = 1024
 MIN_ROWS = 16
@@ -94,4 +94,7 @@ class ManyRowsLinear(nn.Linear):
         x = x.contiguous()
         if self.groups is not None and x.numel() <= HEAD_ROWS * x.shape[-1] and not torch.is_grad_enabled():
             return self.groups(x.float(), None if self.bias is None else self.bias.float()).to(x.dtype)
-        return product_kernel(x, self.weight, rows=FAST_ROWS)(x, self.weight, self.bias)
+        product = product_kernel(x, self.weight, rows=FAST_ROWS)
+        if product is skinny_linear:
+            return skinny_linear(x, self.weight, self.bias, packed=tiles(self))
+        return product(x, self.weight, self.bias)
