@@ -25,7 +25,7 @@ from dspark.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.sampling import SamplingParams
 from dspark.schedule.base import FixedLength
-from dspark.verify import rejection_sample
+from dspark.verify import greedy_verdict, rejection_sample
 
 from stats_utils import g_test
 from target_tree import TargetTree, TreeDrafter
@@ -113,6 +113,26 @@ def speculative_tokens(p_table, q_table, point_drafts, rows: int, seed: int):
         out[:, k] = torch.where(k < n, drafts[:, min(k, GAMMA - 1)], torch.where(k == n, last, plain))
         a, b = b, out[:, k]
     return out, lengths
+
+
+def test_greedy_verdict_is_rejection_sampling_of_a_greedy_target():
+    """The engine's shortcut for steps of greedy requests (argmaxes only) gives rejection_sample's verdict on the
+    one-hot p, with drafted q and with point-mass drafts."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 5000, 4  # a small vocabulary: many drafts are the argmax
+    lengths = torch.randint(GAMMA + 1, (rows,), generator=gen)
+    starts = torch.cumsum(1 + lengths, 0) - (1 + lengths)
+    best = torch.randint(vocab, (int((1 + lengths).sum()),), generator=gen)
+    p = torch.nn.functional.one_hot(best, vocab).float()
+    drafts = torch.randint(vocab, (rows, GAMMA), generator=gen)
+    q = torch.rand(rows, GAMMA, vocab, generator=gen)
+    for q_drafts in (None, q / q.sum(-1, keepdim=True)):
+        u_accept, u_sample = torch.rand(rows, GAMMA, generator=gen), torch.rand(rows, generator=gen)
+        expect = rejection_sample(p, starts, drafts, q_drafts, lengths, u_accept, u_sample)
+        got = greedy_verdict(best, starts, drafts, lengths)
+        assert torch.equal(got.num_accepted, expect.num_accepted) and torch.equal(got.next_token, expect.next_token)
+    whole = expect.num_accepted == lengths
+    assert (whole & (lengths > 0)).any() and (~whole).any()  # both all-accepted and rejected requests seen
 
 
 def synthetic_p_value(name: str, seed: int = 0) -> float:

@@ -45,6 +45,17 @@ def rejection_sample(p: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor
     return Verdict(n, sample(p_next, u_sample))
 
 
+def greedy_verdict(best: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor) -> Verdict:
+    """rejection_sample where every request is greedy, from each flat row's argmax best [T]: p is then a point mass
+    on it, so a draft survives exactly when it is that argmax (u q(x) < 1 whatever q), and the next token is the
+    argmax after the accepted drafts (the residual of a point mass on another token is that point mass)."""
+    offs = torch.arange(drafts.shape[1])
+    rows = (starts[:, None] + offs[None, :]).clamp(max=len(best) - 1)
+    accept = (drafts == best[rows]) & (offs[None, :] < lengths[:, None])
+    n = accept.long().cumprod(-1).sum(-1)
+    return Verdict(n, best[starts + n])
+
+
 def residual(p: torch.Tensor, q: torch.Tensor | None, rejected: torch.Tensor) -> torch.Tensor:
     """Unnormalised max(0, p - q) per row: p, q [n, V] at the rejected position, q None for a point mass
     on the rejected draft ([n])."""

@@ -17,7 +17,7 @@ from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, TargetModel
-from ..verify import rejection_sample
+from ..verify import greedy_verdict, rejection_sample
 from .emit import append_tokens
 from .request import Request, RequestOutput, Status
 from .stats import StepStats
@@ -124,12 +124,10 @@ class LLMEngine:
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()
         batch = self._verify_batch(reqs, proposal.tokens, lengths)
         out = self.target(batch, self.cache)  # 3. verify
-        logits = self.target.logits(out.hidden)
+        greedy = all(r.params.greedy for r in reqs)
+        logits = self.target.logits(out.hidden, None if greedy else torch.float32)
         st.t_verify, t = time.perf_counter() - t, time.perf_counter()
-        p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
-        G = proposal.tokens.shape[1]
-        u = torch.stack([r.uniforms(G + 1) for r in reqs])
-        verdict = rejection_sample(p, batch.starts, proposal.tokens, proposal.q, lengths, u[:, :G], u[:, G])  # 4.
+        verdict = self._accept(reqs, logits, batch, proposal, lengths, greedy)  # 4. accept
         accepted = verdict.num_accepted.tolist()
         new_tokens = [proposal.tokens[i, :n].tolist() + [int(verdict.next_token[i])] for i, n in enumerate(accepted)]
         self._commit(reqs, batch, out.features, [n + 1 for n in accepted])  # 5. commit
@@ -209,6 +207,17 @@ class LLMEngine:
         plus the one token every step adds."""
         return torch.tensor([min(self.max_model_len - r.num_cached - 1, r.params.max_tokens - len(r.output_ids)) - 1
                              for r in reqs]).clamp(min=0)
+
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, batch: FlatBatch, proposal: Proposal,
+                lengths: torch.Tensor, greedy: bool):
+        """Chain rejection sampling of the verified drafts (verify.py); a step of greedy requests only needs each
+        row's argmax."""
+        if greedy:
+            return greedy_verdict(logits.argmax(-1), batch.starts, proposal.tokens, lengths)
+        p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
+        G = proposal.tokens.shape[1]
+        u = torch.stack([r.uniforms(G + 1) for r in reqs])
+        return rejection_sample(p, batch.starts, proposal.tokens, proposal.q, lengths, u[:, :G], u[:, G])
 
     def _verify_batch(self, reqs: list[Request], drafts: torch.Tensor, lengths: torch.Tensor) -> FlatBatch:
         toks, pos = [], []
