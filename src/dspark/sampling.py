@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .target.argmax import argmax_rows
+
 
 @dataclass
 class SamplingParams:
@@ -78,7 +80,8 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
 
 def point_mass(logits: torch.Tensor) -> torch.Tensor:
     """Greedy: probability 1 on each row's argmax."""
-    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.zeros_like(logits).scatter_(-1, argmax_rows(logits.view(-1, logits.shape[-1])).view(
+        *logits.shape[:-1], 1), 1.0)
 
 
 def _filter(sub: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, window: int = 256) -> torch.Tensor:

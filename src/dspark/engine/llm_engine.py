@@ -15,6 +15,7 @@ from ..draft.base import Drafter, NoDrafter, Proposal
 from ..sampling import SamplingParams, param_tensors, sample, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
+from ..target.argmax import argmax_rows
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, TargetModel
 from ..verify import greedy_verdict, rejection_sample
@@ -213,7 +214,7 @@ class LLMEngine:
         """Chain rejection sampling of the verified drafts (verify.py); a step of greedy requests only needs each
         row's argmax."""
         if greedy:
-            return greedy_verdict(logits.argmax(-1), batch.starts, proposal.tokens, lengths)
+            return greedy_verdict(argmax_rows(logits), batch.starts, proposal.tokens, lengths)
         p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
         G = proposal.tokens.shape[1]
         u = torch.stack([r.uniforms(G + 1) for r in reqs])

@@ -34,6 +34,8 @@ static inline vec vexp2i(vec n) {  // 2^n for whole n in -126 .. 127
 }
 static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline uint32_t veq_mask(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // lane i: bit i
+static inline uint32_t vnan_mask(vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 // The lane sums of four vectors at once (one tree for all four, the same whichever four they are).
 static inline void vsum4(const vec* v, int stride, float* out) {
   vec ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[stride]), _mm512_unpackhi_ps(v[0], v[stride]));
@@ -65,6 +67,8 @@ static inline vec vexp2i(vec n) {  // 2^n for whole n in -126 .. 127
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+static inline uint32_t veq_mask(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+static inline uint32_t vnan_mask(vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
 static inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
