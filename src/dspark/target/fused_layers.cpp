@@ -87,7 +87,8 @@ static void rotary(T* x, const T* cos, const T* sin, int64_t heads, int64_t hd) 
   const int64_t half = hd / 2;
   T rolled[512];
   for (int64_t h = 0; h < heads; h++, x += hd) {
-    for (int64_t i = 0; i < hd; i++) rolled[i] = x[(i + half) % hd];
+    memcpy(rolled, x + half, half * sizeof(T));
+    memcpy(rolled + half, x, half * sizeof(T));
     for (int64_t i = 0; i < hd; i += LANES)
       vput(x + i, R<T>(vadd(R<T>(vmul(vload(x + i), vload(cos + i))), R<T>(vmul(vload(rolled + i), vload(sin + i))))));
   }
@@ -190,12 +191,13 @@ static void residual(T* x, const T* a, int64_t n) {
 
 // act = silu(gate) * up for each row of gate_up = [gate | up] (F values each), rounded as F.silu(gate) * up.
 template <typename T>
-static void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t F) {
-  for (int64_t r = 0; r < rows; r++, gate_up += 2 * F, act += F)
+static void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t F, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
+  for (int64_t r = 0; r < rows; r++)
     for (int64_t i = 0; i < F; i += LANES) {
-      const vec g = vload(gate_up + i);
+      const vec g = vload(gate_up + r * 2 * F + i);
       const vec silu = R<T>(vdiv(g, vadd(vset(1.0f), vexp(vsub(vzero(), g)))));
-      vput(act + i, R<T>(vmul(silu, vload(gate_up + F + i))));
+      vput(act + r * F + i, R<T>(vmul(silu, vload(gate_up + r * 2 * F + F + i))));
     }
 }
 
@@ -218,30 +220,37 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
     const Layer& w = m.layer[l];
     rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
     product(h.data(), w.qkv, w.qkv_tiles, w.qkv_bias, qkv.data(), n, QKV, d, threads);
-    for (int64_t t = 0; t < n; t++) {
-      T* row = qkv.data() + t * QKV;
-      if (w.q_norm) {
-        rms_norm(row, w.q_norm, row, H, hd, m.eps);
-        rms_norm(row + H * hd, w.k_norm, row + H * hd, KVH, hd, m.eps);
-      }
-      rotary(row, cos + t * hd, sin + t * hd, H + KVH, hd);
-      for (int64_t kh = 0; kh < KVH; kh++) {
+#pragma omp parallel num_threads(threads)
+    {
+      // work item (t, kh): token t's query heads of KV head kh, normed and rotated, and that head's key (normed,
+      // rotated) and value written to the cache; then, once every item's are (the barrier after the first
+      // loop), the same query heads' attention
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n * KVH; i++) {
+        const int64_t t = i / KVH, kh = i % KVH;
+        T *q = qkv.data() + t * QKV + kh * G * hd, *k = qkv.data() + t * QKV + (H + kh) * hd;
+        if (w.q_norm) {
+          rms_norm(q, w.q_norm, q, G, hd, m.eps);
+          rms_norm(k, w.k_norm, k, 1, hd, m.eps);
+        }
+        rotary(q, cos + t * hd, sin + t * hd, G, hd);
+        rotary(k, cos + t * hd, sin + t * hd, 1, hd);
         const int64_t at = (((l * slots + slot[t]) * KVH + kh) * capacity + pos[t]) * hd;
-        memcpy(kc + at, row + (H + kh) * hd, hd * sizeof(T));
-        memcpy(vc + at, row + (H + KVH + kh) * hd, hd * sizeof(T));
+        memcpy(kc + at, k, hd * sizeof(T));
+        memcpy(vc + at, qkv.data() + t * QKV + (H + KVH + kh) * hd, hd * sizeof(T));
       }
-    }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n * KVH; i++) {
-      const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
-      attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
-             scratch.data() + omp_get_thread_num() * 4 * keys);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n * KVH; i++) {
+        const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
+        attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
+               scratch.data() + omp_get_thread_num() * 4 * keys);
+      }
     }
     product(att.data(), w.o, w.o_tiles, w.o_bias, out.data(), n, d, H * hd, threads);
     residual(x, out.data(), n * d);
     rms_norm(x, w.post_norm, h.data(), n, d, m.eps);
     product(h.data(), w.gate_up, w.gate_up_tiles, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads);
-    silu_mul(gate_up.data(), act.data(), n, F);
+    silu_mul(gate_up.data(), act.data(), n, F, threads);
     product(act.data(), w.down, w.down_tiles, w.down_bias, out.data(), n, d, F, threads);
     residual(x, out.data(), n * d);
     if (capture[l] >= 0)
