@@ -7,6 +7,7 @@ Sections: helpers | training vs inference | sequential heads | confidence | chec
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -123,6 +124,27 @@ def test_base_logits_match_between_training_and_inference(tiny_target):
         handle.remove()
     inference_h, training_h = seen
     torch.testing.assert_close(model.base_logits(training_h), model.base_logits(inference_h), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_backbone_drafts_as_the_layer_loop(tiny_target, dtype, monkeypatch):
+    """The backbone's layers in one fused_layers.cpp call (inference, dtype as the engine runs the drafter: bf16
+    with the packed and joined weight copies on AMX CPUs) give the layer loop's q and confidences, within
+    rounding, over two contexts committed in pieces."""
+    model = copy.deepcopy(tiny_drafter(tiny_target, "vanilla")).to(dtype)  # a copy: the target stays float32
+    seqs, anchors = [sequence(24, 5), sequence(24, 6)], [11, 17]
+    feats = target_features(tiny_target, seqs, model.target_layer_ids)
+    proposals = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("DSPARK_FUSED", fused)
+        drafter = DSparkDrafter(model)
+        reqs = [committed_request(drafter, i, feats.features[i, :a], seqs[i][a], SamplingParams(temperature=1.0, seed=i),
+                                  chunks=2) for i, a in enumerate(anchors)]
+        with torch.inference_mode():  # as the engine drafts: copies made here keep no version counter
+            proposals[fused] = drafter.propose(reqs)
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.1, atol=2e-3)
+    torch.testing.assert_close(proposals["1"].q, proposals["0"].q, **tol)
+    torch.testing.assert_close(proposals["1"].confidence, proposals["0"].confidence, **tol)
 
 
 # ---- sequential heads -----------------------------------------------------------------------------

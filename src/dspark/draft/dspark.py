@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import param_tensors, sample, warp
+from ..target.fused_layers import fused_forward, fused_weights
 from ..target.model import FlatBatch
 from .base import Proposal
 from .context_cache import ContextCacheDrafter
@@ -27,6 +28,18 @@ class DSparkDrafter(ContextCacheDrafter):
     def project(self, requests, tokens, features, positions):
         return self.model.context_kv(self.model.context(torch.cat(features)), torch.cat(positions))
 
+    def backbone(self, batch: FlatBatch) -> torch.Tensor:
+        """h [T, d] of the block tokens: the model's backbone, its layers in one call to fused_layers.cpp where that
+        runs them (as the target's decode and verify forwards: the block's keys and values written to this
+        drafter's cache before attention reads them, as the layer loop writes them)."""
+        m = self.model
+        if (weights := fused_weights(m, batch)) is None:
+            return m.backbone(batch.tokens, batch.positions, self.attend(batch))
+        x = m.embed_tokens(batch.tokens).to(m.dtype)
+        cos, sin = m.rotary(batch.positions, x.dtype)
+        fused_forward(m, weights, x, cos, sin, batch, self.cache)
+        return m.norm(x)
+
     @torch.inference_mode()
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
         R, G, m = len(requests), self.gamma, self.model
@@ -41,7 +54,7 @@ class DSparkDrafter(ContextCacheDrafter):
         visible = (starts + G - 1).repeat_interleave(G)
         self.cache.reserve(requests[-1].slot + 1, int(visible.max()) + 1)
         batch = FlatBatch(block.flatten(), positions, [G] * R, slot_start=requests[0].slot, visible=visible)
-        h = m.backbone(batch.tokens, positions, self.attend(batch)).view(R, G, -1)
+        h = self.backbone(batch).view(R, G, -1)
         U = m.base_logits(h[:, :K])  # [R, K, V], or [R, K, |draft vocabulary|]
         params = param_tensors([r.params for r in requests])
         u = torch.stack([r.uniforms(G) for r in requests])  # [R, G]: γ per step whatever K, so seeds replay

@@ -20,8 +20,9 @@ import functools
 import os
 
 import torch
+from torch import nn
 
-from .skinny import kernel, tiles
+from .skinny import identity, kernel, tiles
 
 FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
           "gate_up_bias", "down", "down_bias", "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")
@@ -47,17 +48,53 @@ def pointer(t: torch.Tensor | None) -> int | None:
 
 
 def layer_weights(layer) -> LayerWeights:
-    attn, mlp = layer.self_attn, layer.mlp
-    q_norm = attn.q_norm.weight if attn.qk_norm else None
-    k_norm = attn.k_norm.weight if attn.qk_norm else None
-    tensors = (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
-               attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-               mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias, *map(tiles, linears(layer)))
+    attn = layer.self_attn
+    qk_norm = getattr(attn, "qk_norm", True)  # a drafter's layers always have them
+    q_norm = attn.q_norm.weight if qk_norm else None
+    k_norm = attn.k_norm.weight if qk_norm else None
+    qkv, o, gate_up, down = linears(layer)
+    tensors = (layer.input_layernorm.weight, qkv.weight, qkv.bias, q_norm, k_norm, o.weight, o.bias,
+               layer.post_attention_layernorm.weight, gate_up.weight, gate_up.bias, down.weight, down.bias,
+               *map(tiles, (qkv, o, gate_up, down)))
     return LayerWeights(*map(pointer, tensors))
 
 
 def linears(layer) -> tuple:
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    """A decoder layer's (qkv, o, gate_up, down) products: the target's own, or for a drafter's layer (separate
+    q, k, v and gate, up) copies joined once."""
+    modules = parts(layer)
+    if len(modules) == 4:
+        return modules
+    q, k, v, o, gate, up, down = modules
+    return joined(q, k, v), o, joined(gate, up), down
+
+
+def joined(*modules: nn.Linear) -> nn.Linear:
+    """One nn.Linear stacking the outputs of `modules` (weights and biases concatenated), made once and kept on the
+    first (again when their weights move or change)."""
+    key = tuple(identity(m.weight) for m in modules)
+    cached = getattr(modules[0], "_joined", None)
+    if cached is None or cached[0] != key:
+        weight = torch.cat([m.weight.detach() for m in modules])
+        joint = nn.Linear(weight.shape[1], weight.shape[0], bias=modules[0].bias is not None, device="meta")
+        joint.weight = nn.Parameter(weight, requires_grad=False)
+        if joint.bias is not None:
+            joint.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
+        cached = modules[0]._joined = (key, joint)
+    return cached[1]
+
+
+def parts(layer) -> tuple:
+    """A decoder layer's own linear modules (the target's joined ones; a drafter's q, k, v, o, gate, up, down)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def sizes_of(model) -> tuple[int, int]:
+    """(hidden size, MLP size) of the model's layers."""
+    return model.layers[0].input_layernorm.weight.numel(), parts(model.layers[0])[-1].weight.shape[1]
 
 
 def fusable(model) -> bool:
@@ -65,9 +102,9 @@ def fusable(model) -> bool:
     target's) of a dtype it handles, sizes that are multiples of 16 (its vector width at most) and a head size it
     holds."""
     dense = all(isinstance(getattr(m, "weight", None), torch.Tensor) and getattr(m, "groups", None) is None
-                for layer in model.layers for m in linears(layer))
+                for layer in model.layers for m in parts(layer))
     attn = model.layers[0].self_attn
-    sizes = (model.config.hidden_size, model.config.intermediate_size, attn.head_dim)
+    sizes = (*sizes_of(model), attn.head_dim)
     params = [p for layer in model.layers for p in layer.parameters()]
     return (dense and model.dtype in FUNCTIONS and all(s % 16 == 0 for s in sizes) and attn.head_dim <= MAX_HEAD_DIM
             and all(p.dtype == model.dtype and p.is_contiguous() and p.is_cpu for p in params))
@@ -76,17 +113,17 @@ def fusable(model) -> bool:
 def model_weights(model) -> ModelWeights | None:
     """The layers' weight pointers for fused_layers.cpp (with their copies packed for AMX, skinny.tiles), built once
     per model (and again if its weights move or change); None where it cannot run them."""
-    key = tuple(getattr(m, "weight", None) is not None and (m.weight.data_ptr(), m.weight._version)
-                for m in (*linears(model.layers[0]), *linears(model.layers[-1]))) + (model.dtype,)
+    key = tuple(getattr(m, "weight", None) is not None and identity(m.weight)
+                for m in (*parts(model.layers[0]), *parts(model.layers[-1]))) + (model.dtype,)
     cached = getattr(model, "_fused_weights", None)
     if cached is None or cached[0] != key:
         table = None
         if fusable(model):
             attn = model.layers[0].self_attn
             layers = (LayerWeights * len(model.layers))(*map(layer_weights, model.layers))
-            table = ModelWeights(len(model.layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
-                                 attn.head_dim, model.config.intermediate_size, model.layers[0].input_layernorm.eps,
-                                 layers)
+            d, inter = sizes_of(model)
+            table = ModelWeights(len(model.layers), d, attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
+                                 model.layers[0].input_layernorm.eps, layers)
             table._layers = layers  # keeps the array alive
         cached = model._fused_weights = (key, table)
     return cached[1]
@@ -104,10 +141,10 @@ def fused_weights(model, batch) -> ModelWeights | None:
 def capture_slots(model) -> torch.Tensor:
     """[layers]: where each layer's outputs go among the captured features (-1: not captured), kept per
     capture_layers."""
-    key = tuple(model.capture_layers)
+    key = tuple(getattr(model, "capture_layers", ()))  # a drafter captures none
     cached = getattr(model, "_fused_capture", None)
     if cached is None or cached[0] != key:
-        captured = sorted(set(model.capture_layers))
+        captured = sorted(set(key))
         slots = torch.full((len(model.layers),), -1, dtype=torch.long)
         slots[captured] = torch.arange(len(captured))
         cached = model._fused_capture = (key, slots)

@@ -139,13 +139,19 @@ def tiles(linear: torch.nn.Module) -> torch.Tensor | None:
     if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and runs_tiles()):
         return None
-    key = (weight.data_ptr(), weight._version)
+    key = identity(weight)
     cached = getattr(linear, "_tiles", None)
     if cached is None or cached[0] != key:
         n, k = weight.shape
         packed = weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         cached = linear._tiles = (key, packed)
     return cached[1]
+
+
+def identity(t: torch.Tensor) -> tuple[int, int]:
+    """What tells a tensor's values apart for the copies made of it: its storage and version (tensors made in
+    inference mode keep no version and count as unchanged)."""
+    return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
 @functools.cache
