@@ -101,12 +101,13 @@ def fusable(model) -> bool:
     """Whether fused_layers.cpp can run the model's layers: dense contiguous weights (not GGUF groups, not a 4-bit
     target's) of a dtype it handles, sizes that are multiples of 16 (its vector width at most) and a head size it
     holds."""
-    dense = all(isinstance(getattr(m, "weight", None), torch.Tensor) and getattr(m, "groups", None) is None
-                for layer in model.layers for m in parts(layer))
+    if not all(isinstance(getattr(m, "weight", None), torch.Tensor) and getattr(m, "groups", None) is None
+               for layer in model.layers for m in parts(layer)):
+        return False
     attn = model.layers[0].self_attn
     sizes = (*sizes_of(model), attn.head_dim)
     params = [p for layer in model.layers for p in layer.parameters()]
-    return (dense and model.dtype in FUNCTIONS and all(s % 16 == 0 for s in sizes) and attn.head_dim <= MAX_HEAD_DIM
+    return (model.dtype in FUNCTIONS and all(s % 16 == 0 for s in sizes) and attn.head_dim <= MAX_HEAD_DIM
             and all(p.dtype == model.dtype and p.is_contiguous() and p.is_cpu for p in params))
 
 
