@@ -51,6 +51,7 @@ def run(model: TargetModel, steps: list[tuple[list[int], bool]]):
     model(FlatBatch(ids(sum(PROMPTS)), torch.cat([torch.arange(p) for p in PROMPTS]), PROMPTS, prefill=True), cache)
     lengths, outs = list(PROMPTS), []
     for query_lens, ahead in steps:
+        cache.reserve(len(PROMPTS), max(n + q for n, q in zip(lengths, query_lens)))  # as the engine reserves
         positions = torch.cat([torch.arange(n, n + q) for n, q in zip(lengths, query_lens)])
         visible = torch.cat([torch.full((q,), n + q - 1) for n, q in zip(lengths, query_lens)]) if ahead else None
         out = model(FlatBatch(ids(sum(query_lens)), positions, query_lens, visible=visible), cache)

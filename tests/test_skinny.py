@@ -54,7 +54,7 @@ def test_the_kernel_computes_the_product(dtype, tol, march):
 
 
 needs_tiles = pytest.mark.skipif(not (kernel() is not None and skinny.runs_tiles()), reason="no AMX tiles here")
-AMX_MIN_ROWS = 2  # skinny.cpp's: from it, products over packed weights run on the tiles
+AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 32  # skinny.cpp's: products over packed weights of these rows run on the tiles
 
 
 def packed_linear(n: int, k: int, seed: int) -> torch.nn.Linear:
@@ -86,19 +86,19 @@ def test_packed_weights_give_the_product_and_rows_alone():
         layer = packed_linear(n, k, n + k)
         packed = skinny.tiles(layer)
         assert packed is not None and skinny.tiles(layer) is packed  # made once
-        x = torch.randn(MAX_ROWS, k, generator=g).bfloat16()
+        x = torch.randn(AMX_MAX_ROWS, k, generator=g).bfloat16()
         for b in (None, layer.bias):
             full = skinny_linear(x, layer.weight, b, packed=packed)
             exact = torch.nn.functional.linear(x.double(), layer.weight.double(), None if b is None else b.double())
             assert (full.double() - exact).abs().max() <= 1e-2 * exact.abs().max(), (n, k)
-            for rows in range(AMX_MIN_ROWS, MAX_ROWS):  # one row: vdpbf16ps, as without the copy
+            for rows in range(AMX_MIN_ROWS, AMX_MAX_ROWS):  # one row: vdpbf16ps, as without the copy
                 assert torch.equal(skinny_linear(x[:rows], layer.weight, b, packed=packed), full[:rows]), (n, k, rows)
             one = skinny_linear(x[:1], layer.weight, b, packed=packed)
             assert torch.equal(one, skinny_linear(x[:1], layer.weight, b)), (n, k)
 
 
 @needs_tiles
-def test_packed_weights_take_amx_tiles_from_2_rows():
+def test_packed_weights_take_amx_tiles_for_2_to_32_rows():
     # a sum whose result shows its order: vdpbf16ps keeps 2^25 and -2^25 in one lane, where they cancel, and the
     # 30 ones in others (30); AMX's tiles add the ones to 2^25 (lost to rounding) before -2^25 arrives
     x = torch.zeros(64)
@@ -106,7 +106,7 @@ def test_packed_weights_take_amx_tiles_from_2_rows():
     layer = torch.nn.Linear(64, 32, bias=False).bfloat16()  # one whole block of weight rows
     with torch.no_grad():
         layer.weight.fill_(1)
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, AMX_MAX_ROWS + 1):
         rows_x = x.repeat(rows, 1).bfloat16()
         assert bool((skinny_linear(rows_x, layer.weight) == 30).all()), rows  # in place: vdpbf16ps
         out = skinny_linear(rows_x, layer.weight, packed=skinny.tiles(layer))

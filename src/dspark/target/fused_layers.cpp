@@ -19,9 +19,10 @@ void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf
 void skinny_f32(const float* x, const float* w, const float* wt, const float* b, float* y, int64_t M, int64_t N,
                 int64_t K, int threads);
 }
-// skinny.cpp's products take up to 16 rows (skinny.py's MAX_ROWS); more rows are products of 16 at a time, each
-// row rounded as in any other forward. wt: the weight packed for AMX's tiles (skinny.py's `tiles`), or null.
-static const int64_t ROWS = 16;
+// Products of at most 32 rows (skinny.cpp's tiles read the weights once for them); more rows are products of 32 at
+// a time, each row rounded as in any other forward. wt: the weight packed for AMX's tiles (skinny.py's `tiles`), or
+// null.
+static const int64_t ROWS = 32;
 static inline void product(const bf16* x, const void* w, const void* wt, const void* b, bf16* y, int64_t M, int64_t N,
                            int64_t K, int threads) {
   for (int64_t m = 0; m < M; m += ROWS)

@@ -30,10 +30,12 @@ FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "p
           "gate_up_bias", "down", "down_bias", "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")
 FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
-# forwards of more tokens take model.py's loop: fused_layers.cpp reads the weights once per 16 tokens, PyTorch's
-# products once (SmolLM2-135M bf16, 2-core AMX Xeon, after 200 cached tokens, ad hoc medians of 10, loop -> fused:
-# 32 tokens 52.9 -> 36.6 ms, 64 68.7 -> 58.4, 128 127.3 -> 108.4, 192 130.4 -> 156.4, 256 153.5 -> 210.7)
-MAX_TOKENS = 128
+# forwards of more tokens take model.py's loop. fused_layers.cpp reads the weights once per 32 tokens, PyTorch's
+# products once; on a 2-core AMX Xeon (ad hoc, SmolLM2-135M bf16, R requests of 8 tokens after 200 cached, loop and
+# fused interleaved, medians of 12), loop -> fused: 32 tokens 50.1 -> 23.1 ms, 64 65.5 -> 36.7, 128 102.4 -> 63.9,
+# 192 171.7 -> 99.9, 256 165.5 -> 125.1 (with products of 16 rows at a time, 192 and 256 tokens were faster in the
+# loop)
+MAX_TOKENS = 256
 
 
 class LayerWeights(ctypes.Structure):

@@ -131,13 +131,15 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// With AMX (Intel Xeon since Sapphire Rapids), bf16 products of 2 to 16 rows over a weight that has a packed copy
+// With AMX (Intel Xeon since Sapphire Rapids), bf16 products of 2 to 32 rows over a weight that has a packed copy
 // (skinny.py's `tiles`) run on the tile unit: one tdpbf16ps multiplies up to 16 rows of x by 32 columns of 16 weight
-// rows. Tile A is x itself (M rows, stride K), tile B 16 weight rows' 32 columns as column pairs, 1 KB contiguous
+// rows, and rows 17-32 take a second A tile against the same weight tiles, so the weights are read once for 32 rows
+// (all products of SmolLM2-135M's layers over 32 rows, ad hoc: 16.1 ms as two products of 16, 11.5 ms as one).
+// Tile A is x itself (up to 16 rows, stride K), tile B 16 weight rows' 32 columns as column pairs, 1 KB contiguous
 // in the copy ([N/16][K/32][16 pairs][16 rows][2]), so the weights stream from memory in order and a few tiles
 // ahead are asked for; tile C holds the M x 16 float32 sums, one x row's 16 outputs per C row, stored with vector
 // instructions. Every output sums its 32-column chunks in order whatever M, so a row's result does not depend on
-// the rows beside it (within 2-16 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad
+// the rows beside it (within 2-32 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad
 // hoc, all products of SmolLM2-135M's layers, bf16, medians of 15, two runs each): 4 rows 7.2 ms, 8 rows 8.0 ms,
 // 16 rows 8.0-8.6 ms, where tiles reading the weight rows in place took 11.5, 11.5 and 13.5 ms, and vdpbf16ps
 // takes 7.1-7.5 ms for one row. Whole forwards (fused_layers.cpp with the LM head, after 300 cached tokens,
@@ -146,7 +148,7 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static const int64_t AMX_ROWS = 32;  // weight rows per block: two tiles of 16, two accumulators
+static const int64_t AMX_ROWS = 32;  // weight rows per block: two B tiles of 16
 static const int64_t AHEAD = 4;  // tiles asked for ahead
 static const int64_t AMX_MIN_ROWS = 2;  // one row stays on vdpbf16ps (see above)
 
@@ -162,22 +164,42 @@ static bool amx_permitted() {
   return ok;
 }
 
-// Tiles 0-1: sums C (M rows x 16 floats); 2-3: weights B (16 column pairs x 16 rows); 4: x A (M rows x 32 bf16).
+static const int64_t AMX_MAX_ROWS = 32;  // rows of x per weight pass: two A tiles of 16
+
+// Tiles 0-1: sums C of x rows 0-15 (16 floats each, for weight tiles 4 and 5), 2-3: of x rows 16-31; 4-5: weights B
+// (16 column pairs x 16 rows); 6-7: x A (rows 0-15 and 16-31, 32 bf16 each). Tiles of absent rows stay empty.
 static void configure_tiles(int64_t M) {
+  const int64_t first = M < 16 ? M : 16, second = M - first;
+  const int64_t rows[8] = {first, first, second, second, 16, 16, first, second};
   TileConfig c = {};
   c.palette = 1;
-  for (int t = 0; t < 5; t++) {
-    c.rows[t] = t == 2 || t == 3 ? 16 : M;
-    c.colsb[t] = 64;
+  for (int t = 0; t < 8; t++) {
+    c.rows[t] = (uint8_t)rows[t];
+    c.colsb[t] = rows[t] ? 64 : 0;
   }
   _tile_loadconfig(&c);
 }
 
-// Weight rows n .. n+31 (wt: the packed copy) against all M rows of x; K is a multiple of 32.
+// y rows m0 .. m0 + rows - 1, weight rows n .. n+31, from their sums (two tiles' worth: [2][16][16]).
+static void store_sums(float (*sums)[16][16], const bf16* b, bf16* y, int64_t rows, int64_t N, int64_t n, int64_t m0) {
+  for (int64_t j = 0; j < rows; j++)
+    for (int h = 0; h < 2; h++) {
+      const int64_t at = n + 16 * h;
+      const vec s = vload(sums[h][j]);
+      vput(y + (m0 + j) * N + at, vround(b ? vadd(s, vload(b + at)) : s, y));
+    }
+}
+
+// Weight rows n .. n+31 (wt: the packed copy) against all M rows of x (at most 32); K is a multiple of 32.
 static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
                       int64_t n) {
+  const bool two = M > 16;  // a second A tile: x rows 16 ..
   _tile_zero(0);
   _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t chunks = K / 32;
   const bf16* w0 = wt + (n / 16) * chunks * 512;
   const bf16* w1 = w0 + chunks * 512;
@@ -186,21 +208,26 @@ static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int
       _mm_prefetch((const char*)(w0 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
       _mm_prefetch((const char*)(w1 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
     }
-    _tile_loadd(4, x + c * 32, K * 2);
-    _tile_loadd(2, w0 + c * 512, 64);
-    _tile_loadd(3, w1 + c * 512, 64);
-    _tile_dpbf16ps(0, 4, 2);
-    _tile_dpbf16ps(1, 4, 3);
+    _tile_loadd(4, w0 + c * 512, 64);
+    _tile_loadd(5, w1 + c * 512, 64);
+    _tile_loadd(6, x + c * 32, K * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    if (two) {
+      _tile_loadd(7, x + 16 * K + c * 32, K * 2);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_dpbf16ps(3, 7, 5);
+    }
   }
   float sums[2][16][16];
   _tile_stored(0, sums[0], 64);
   _tile_stored(1, sums[1], 64);
-  for (int64_t j = 0; j < M; j++)
-    for (int h = 0; h < 2; h++) {
-      const int64_t at = n + 16 * h;
-      const vec s = vload(sums[h][j]);
-      vput(y + j * N + at, vround(b ? vadd(s, vload(b + at)) : s, y));
-    }
+  store_sums(sums, b, y, M < 16 ? M : 16, N, n, 0);
+  if (two) {
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(3, sums[1], 64);
+    store_sums(sums, b, y, M - 16, N, n, 16);
+  }
 }
 #endif
 
@@ -268,7 +295,7 @@ static const int WROWS = LANES == 16 ? 4 : 2;  // weight rows per tile: 4 x 4 ac
 #define SKINNY_AMX 1
 #endif
 
-// Whether whole blocks of bf16 weight rows take the AMX tiles: a packed copy given (wt), AMX_MIN_ROWS..16 rows,
+// Whether whole blocks of bf16 weight rows take the AMX tiles: a packed copy given (wt), AMX_MIN_ROWS..32 rows,
 // compiled in and granted by Linux; float32 products, and CPUs without AMX, never do.
 struct Tiles {
   bool on = false;
@@ -278,7 +305,7 @@ struct Tiles {
   Tiles(const bf16*, const void* packed, int64_t rows) : M(rows), wt((const bf16*)packed) {
 #ifdef SKINNY_AMX
     static_assert(BLOCK == AMX_ROWS, "a work item is one AMX block");
-    on = wt && M >= AMX_MIN_ROWS && M <= 16 && amx_permitted();
+    on = wt && M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && amx_permitted();
 #endif
   }
   void begin() const {

@@ -15,7 +15,7 @@ rounding can then change with the number of rows in the forward.
 
 On Intel CPUs with AMX, bf16 products over a weight with a copy packed for the tile unit (`tiles`: made on first
 use for the target's and the drafters' linear layers, so the bf16 weights take twice their memory on those CPUs)
-run on the tiles, up to 16 rows at a time, whose cost hardly grows with the rows and whose weight tiles stream
+run on the tiles (products of up to 32 rows; the layer loop passes at most MAX_ROWS), whose cost hardly grows with the rows and whose weight tiles stream
 from memory in order (skinny.cpp's block_amx has the product figures). Every row count runs there, so a row
 still rounds alike whatever the rows beside it. Weights without a copy take vdpbf16ps.
 
