@@ -4,8 +4,10 @@ depends only on the committed context, so verification stays lossless. Lookup dr
 step mixes both sources, their q rows are one-hot, which verification treats exactly as a point mass.
 
 On the bundled target, text that repeats itself (numbers restated in a math answer, names in code) is common,
-and a lookup draft costs nothing to make, while a drafter call costs a sixth to a quarter of a target step on
-a CPU (ad hoc, the bundled drafter on a 2-core AMX Xeon: ~1.9 ms against a 10.8 ms one-token forward).
+and a lookup draft costs nothing to make (0.04 ms), while a drafter call costs a third of a target step on a CPU
+(ad hoc, the bundled drafter on a 2-core AMX Xeon, 16 gsm8k and humaneval answers: a propose with its context
+projection 4.0 ms median, a plain decoding step 10.6 ms). There (ad hoc, same run) lookup drafts were accepted
+for 1.0 tokens a step after a 1-gram match, 1.6 after a 2-gram and 2.1 after a 3-gram, DSpark's for 1.1.
 """
 from __future__ import annotations
 
