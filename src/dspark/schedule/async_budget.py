@@ -46,9 +46,9 @@ def budget_search(old_survival: torch.Tensor, R: int, slots: int, cost: CostTabl
     flat = old_survival.double().t().flatten()  # position-major, so a stable sort puts earlier positions first
     values, order = torch.sort(flat, descending=True, stable=True)
     idx = (torch.arange(slots) * flat.numel()) // slots  # the earlier ranking, stretched to this step's slots
-    gains = torch.cat([values.new_zeros(1), values[idx].cumsum(0)])  # expected gain of the K best, K = 0..slots
+    gains = [0.0] + values[idx].cumsum(0).tolist()  # expected gain of the K best, K = 0..slots
     depths = [0] + (order[idx] // R_old + 1).cummax(0).values.tolist()  # deepest position among the K best
-    theta = [(R + float(gains[k])) * cost.sps(R + k, R, drafted=sunk or k > 0, depth=None if sunk else depths[k])
+    theta = [(R + gains[k]) * cost.sps(R + k, R, drafted=sunk or k > 0, depth=None if sunk else depths[k])
              for k in range(slots + 1)]
     k = max(range(slots + 1), key=lambda k: (theta[k], -k))
     return k, depths[k], theta[k]
