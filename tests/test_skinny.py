@@ -126,10 +126,12 @@ def test_tiles_pack_16_by_32_blocks_as_column_pairs():
     assert torch.equal(skinny.tiles(layer)[1, 2, 5, 15, 1], layer.weight[31, 75])
 
 
-def test_tiles_only_for_bf16_weights_in_whole_tiles():
+def test_tiles_only_for_bf16_weights_in_whole_tiles(monkeypatch):
     assert skinny.tiles(torch.nn.Linear(96, 64)) is None  # float32
     assert skinny.tiles(torch.nn.Linear(40, 64).bfloat16()) is None  # K not a multiple of 32
     assert skinny.tiles(torch.nn.Linear(96, 40).bfloat16()) is None  # N not a multiple of 16
+    monkeypatch.setenv("DSPARK_TILES", "0")
+    assert skinny.tiles(torch.nn.Linear(96, 64).bfloat16()) is None  # switched off
 
 
 @needs_kernel

@@ -17,7 +17,7 @@ On Intel CPUs with AMX, bf16 products over a weight with a copy packed for the t
 use for the target's and the drafters' linear layers, so the bf16 weights take twice their memory on those CPUs)
 run on the tiles (products of up to 32 rows; the layer loop passes at most MAX_ROWS), whose cost hardly grows with the rows and whose weight tiles stream
 from memory in order (skinny.cpp's block_amx has the product figures). Every row count runs there, so a row
-still rounds alike whatever the rows beside it. Weights without a copy take vdpbf16ps.
+still rounds alike whatever the rows beside it. Weights without a copy take vdpbf16ps; DSPARK_TILES=0 makes none.
 
 float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
 
@@ -154,8 +154,13 @@ def identity(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
-@functools.cache
 def runs_tiles() -> bool:
-    """Whether this CPU's kernel runs bf16 products on AMX's tiles."""
+    """Whether bf16 products run on AMX's tiles here: this CPU's kernel runs them, and DSPARK_TILES is not 0 (which
+    saves the packed copies' memory; it counts where copies are made, so set it before the first forward)."""
+    return os.environ.get("DSPARK_TILES", "1") != "0" and kernel_runs_tiles()
+
+
+@functools.cache
+def kernel_runs_tiles() -> bool:
     lib = kernel()
     return lib is not None and bool(lib.skinny_tiles())
