@@ -80,8 +80,8 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
 
 def point_mass(logits: torch.Tensor) -> torch.Tensor:
     """Greedy: probability 1 on each row's argmax."""
-    return torch.zeros_like(logits).scatter_(-1, argmax_rows(logits.view(-1, logits.shape[-1])).view(
-        *logits.shape[:-1], 1), 1.0)
+    best = argmax_rows(logits.reshape(-1, logits.shape[-1])).view(*logits.shape[:-1], 1)
+    return torch.zeros_like(logits).scatter_(-1, best, 1.0)
 
 
 def _filter(sub: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, window: int = 256) -> torch.Tensor:

@@ -64,8 +64,8 @@ class FlatBatch:
 
 class Linear(nn.Linear):
     """nn.Linear through the kernel upcast.product_kernel chose for the forward (default: onednn.py's choice);
-    skinny.py's kernel reads the weight's GGUF groups where it has them (groups.py) and its copy packed for AMX's
-    tiles where the CPU has them (skinny.tiles), each the same result."""
+    skinny.py's kernel reads the weight's GGUF groups where it has them (groups.py: the same result) and its copy
+    packed for AMX's tiles where the CPU has them (skinny.tiles)."""
 
     groups: Groups | None = None
 
