@@ -147,6 +147,24 @@ def test_fused_backbone_drafts_as_the_layer_loop(tiny_target, dtype, monkeypatch
     torch.testing.assert_close(proposals["1"].confidence, proposals["0"].confidence, **tol)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "vanilla"])
+def test_greedy_step_drafts_the_argmax_chain_without_q(tiny_target, kind):
+    """A step of greedy requests drafts what the sampling path drafts for a greedy request (the argmax of U plus
+    the Markov bias, position by position) and returns no q (point masses)."""
+    model = tiny_drafter(tiny_target, kind)
+    seq, a = sequence(24, 7), 13
+    feats = target_features(tiny_target, [seq], model.target_layer_ids)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)
+    alone = DSparkDrafter(model)
+    proposal = alone.propose([committed_request(alone, 0, feats.features[0, :a], seq[a], greedy)])
+    mixed = DSparkDrafter(model)  # beside a sampled request the step takes the sampling path
+    reqs = [committed_request(mixed, i, feats.features[0, :a], seq[a], p) for i, p in enumerate((greedy, sampled))]
+    reference = mixed.propose(reqs)
+    assert proposal.q is None and reference.q is not None
+    assert torch.equal(proposal.tokens[0], reference.tokens[0])
+    assert bool((reference.q[0].max(-1).values == 1).all())  # the greedy row's q there: a point mass
+
+
 # ---- sequential heads -----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_markov_head_computes_the_method_formula(tiny_target, kind):

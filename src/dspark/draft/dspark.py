@@ -1,10 +1,12 @@
 """DSpark (and DFlash) behind the Drafter interface: one backbone forward drafts a block for every running
-request, then the sequential head samples x_1..x_γ left to right from exactly the q it returns."""
+request, then the sequential head samples x_1..x_γ left to right from exactly the q it returns (a step of greedy
+requests takes each argmax and returns no q: point masses)."""
 from __future__ import annotations
 
 import torch
 
 from ..sampling import param_tensors, sample, warp
+from ..target.argmax import argmax_rows
 from ..target.fused_layers import fused_forward, fused_weights
 from ..target.model import FlatBatch
 from .base import Proposal
@@ -59,15 +61,21 @@ class DSparkDrafter(ContextCacheDrafter):
         params = param_tensors([r.params for r in requests])
         u = torch.stack([r.uniforms(G) for r in requests])  # [R, G]: γ per step whatever K, so seeds replay
         tokens = torch.zeros(R, K, dtype=torch.long)
-        q = torch.empty_like(U)
+        greedy = all(r.params.greedy for r in requests)  # then q is a point mass on each argmax: returned as None
+        q = None if greedy else torch.empty_like(U)
         conf = torch.ones(R, K)
         temps = self.temperatures or [1.0] * G
         prev, state = anchors, m.markov_head.initial_state(R, h) if m.markov_head is not None else None
         for k in range(K):
             bias, c_logit, state = m.head_step(prev, h[:, k], state)
-            q[:, k] = warp(U[:, k] if bias is None else U[:, k] + bias, *params)
-            tokens[:, k] = prev = token_ids(sample(q[:, k], u[:, k]), m.draft_ids)
+            logits = U[:, k] if bias is None else U[:, k] + bias
+            if greedy:
+                choice = argmax_rows(logits)
+            else:
+                q[:, k] = warp(logits, *params)
+                choice = sample(q[:, k], u[:, k])
+            tokens[:, k] = prev = token_ids(choice, m.draft_ids)
             if c_logit is not None:
                 conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
-        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K),
+        return Proposal(tokens, None if greedy else widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K),
                         conf if m.confidence_head is not None else None)
