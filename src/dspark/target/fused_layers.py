@@ -5,8 +5,8 @@ pass over a few rows; on a small model that costs as much as the products. Measu
 (ad hoc, SmolLM2-135M bf16, after 300 cached tokens, medians of 25): a 1-token forward 19.5 ms of which its
 products 10.7 ms, an 8-token forward 26.0 ms of which 14.6 ms. fused_layers.cpp runs the same layers with
 skinny.cpp's products and vector loops between them: benchmarks/results/forward_split.md (same machine, medians
-of 75 interleaved timings) has the loop against it at 18.3 -> 10.0 ms for 1 token (1.83x), 23.4 -> 14.1 ms for
-4 (1.66x) and 24.9 -> 15.8 ms for 8 (1.58x).
+of 75 interleaved timings, at 6499499) has the loop against it at 18.4 -> 9.62 ms for 1 token (1.92x), 22.0 ->
+11.6 ms for 4 (1.89x) and 23.5 -> 12.7 ms for 8 (1.85x).
 
 It takes decode and verify forwards (not prefill) of at most MAX_TOKENS tokens of models whose weights are dense
 bf16 or float32 (not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built; DSPARK_FUSED=0
