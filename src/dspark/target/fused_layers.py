@@ -24,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from .skinny import identity, kernel, tiles
+from .skinny import identity, kept, kernel, tiles
 
 FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
           "gate_up_bias", "down", "down_bias", "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")
@@ -76,16 +76,14 @@ def linears(layer) -> tuple:
 def joined(*modules: nn.Linear) -> nn.Linear:
     """One nn.Linear stacking the outputs of `modules` (weights and biases concatenated), made once and kept on the
     first (again when their weights move or change)."""
-    key = tuple(identity(m.weight) for m in modules)
-    cached = getattr(modules[0], "_joined", None)
-    if cached is None or cached[0] != key:
+    def join() -> nn.Linear:
         weight = torch.cat([m.weight.detach() for m in modules])
         joint = nn.Linear(weight.shape[1], weight.shape[0], bias=modules[0].bias is not None, device="meta")
         joint.weight = nn.Parameter(weight, requires_grad=False)
         if joint.bias is not None:
             joint.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
-        cached = modules[0]._joined = (key, joint)
-    return cached[1]
+        return joint
+    return kept(modules[0], "_joined", tuple(identity(m.weight) for m in modules), join)
 
 
 def parts(layer) -> tuple:
@@ -118,20 +116,19 @@ def fusable(model) -> bool:
 def model_weights(model) -> ModelWeights | None:
     """The layers' weight pointers for fused_layers.cpp (with their copies packed for AMX, skinny.tiles), built once
     per model (and again if its weights move or change); None where it cannot run them."""
+    def table() -> ModelWeights | None:
+        if not fusable(model):
+            return None
+        attn = model.layers[0].self_attn
+        layers = (LayerWeights * len(model.layers))(*map(layer_weights, model.layers))
+        d, inter = sizes_of(model)
+        weights = ModelWeights(len(model.layers), d, attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
+                               model.layers[0].input_layernorm.eps, layers)
+        weights._layers = layers  # keeps the array alive
+        return weights
     key = tuple(getattr(m, "weight", None) is not None and identity(m.weight)
                 for m in (*parts(model.layers[0]), *parts(model.layers[-1]))) + (model.dtype,)
-    cached = getattr(model, "_fused_weights", None)
-    if cached is None or cached[0] != key:
-        table = None
-        if fusable(model):
-            attn = model.layers[0].self_attn
-            layers = (LayerWeights * len(model.layers))(*map(layer_weights, model.layers))
-            d, inter = sizes_of(model)
-            table = ModelWeights(len(model.layers), d, attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
-                                 model.layers[0].input_layernorm.eps, layers)
-            table._layers = layers  # keeps the array alive
-        cached = model._fused_weights = (key, table)
-    return cached[1]
+    return kept(model, "_fused_weights", key, table)
 
 
 def fused_weights(model, batch) -> ModelWeights | None:
@@ -146,14 +143,13 @@ def fused_weights(model, batch) -> ModelWeights | None:
 def capture_slots(model) -> torch.Tensor:
     """[layers]: where each layer's outputs go among the captured features (-1: not captured), kept per
     capture_layers."""
-    key = tuple(getattr(model, "capture_layers", ()))  # a drafter captures none
-    cached = getattr(model, "_fused_capture", None)
-    if cached is None or cached[0] != key:
+    def slots() -> torch.Tensor:
         captured = sorted(set(key))
-        slots = torch.full((len(model.layers),), -1, dtype=torch.long)
-        slots[captured] = torch.arange(len(captured))
-        cached = model._fused_capture = (key, slots)
-    return cached[1]
+        where = torch.full((len(model.layers),), -1, dtype=torch.long)
+        where[captured] = torch.arange(len(captured))
+        return where
+    key = tuple(getattr(model, "capture_layers", ()))  # a drafter captures none
+    return kept(model, "_fused_capture", key, slots)
 
 
 @functools.cache

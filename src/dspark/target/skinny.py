@@ -139,12 +139,18 @@ def tiles(linear: torch.nn.Module) -> torch.Tensor | None:
     if not (isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and runs_tiles()):
         return None
-    key = identity(weight)
-    cached = getattr(linear, "_tiles", None)
+    n, k = weight.shape
+    return kept(linear, "_tiles", identity(weight),
+                lambda: weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous())
+
+
+def kept(owner, name: str, key, make):
+    """make() kept on `owner` as attribute `name`, made again when `key` changes (the copies and tables made of a
+    model's weights)."""
+    cached = getattr(owner, name, None)
     if cached is None or cached[0] != key:
-        n, k = weight.shape
-        packed = weight.detach().view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        cached = linear._tiles = (key, packed)
+        cached = (key, make())
+        setattr(owner, name, cached)
     return cached[1]
 
 
