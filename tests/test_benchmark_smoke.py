@@ -187,6 +187,17 @@ def test_forward_split_quick_writes_result(tmp_path):
 
 
 @pytest.mark.slow
+def test_tiles_quick_writes_result(tmp_path):
+    out = tmp_path / "tiles"
+    assert run_script("tiles.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["part"], r["size"]) for r in result["rows"]] == [("products", 1), ("products", 4), ("argmax", 1),
+                                                                 ("argmax", 4), ("forward", 16)]
+    assert all(r["ms_new"] > 0 and r["ms_old"] > 0 for r in result["rows"])
+    assert "forward_speedup_16" in result["headline"]
+
+
+@pytest.mark.slow
 def test_serve_load_quick_loses_nothing(tmp_path):
     out = tmp_path / "load"
     assert run_script("serve_load.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
