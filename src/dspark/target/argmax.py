@@ -1,6 +1,6 @@
 """Each row's argmax through argmax.cpp: greedy decoding reads nothing else of the logits. PyTorch's argmax over a
-verify forward's bf16 logits (8 rows of 49,152) took 0.78 ms on a 2-core Xeon with AMX (ad hoc, 200 calls), its
-float32 argmax 0.30 ms, so in bf16 it cost a tenth of a step's forward. The same index as torch.argmax (the first
+verify forward's bf16 logits (8 rows of 49,152) took 0.71 ms on a 2-core Xeon with AMX, argmax.cpp 0.029 ms
+(benchmarks/results/tiles.md), so in bf16 it cost a twentieth of a step's forward. The same index as torch.argmax (the first
 largest value; a NaN counts as the largest); where the kernel is not built, torch.argmax runs."""
 from __future__ import annotations
 

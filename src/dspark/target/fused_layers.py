@@ -31,10 +31,9 @@ FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "p
 FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
 # forwards of more tokens take model.py's loop. fused_layers.cpp reads the weights once per 32 tokens, PyTorch's
-# products once; on a 2-core AMX Xeon (ad hoc, SmolLM2-135M bf16, R requests of 8 tokens after 200 cached, loop and
-# fused interleaved, medians of 12), loop -> fused: 32 tokens 50.1 -> 23.1 ms, 64 65.5 -> 36.7, 128 102.4 -> 63.9,
-# 192 171.7 -> 99.9, 256 165.5 -> 125.1 (with products of 16 rows at a time, 192 and 256 tokens were faster in the
-# loop)
+# products once; benchmarks/results/tiles.md (2-core AMX Xeon, SmolLM2-135M bf16, requests of 8 tokens after 200
+# cached, interleaved) has loop -> fused at 32 tokens 48.1 -> 23.0 ms, 64 65.6 -> 38.4, 128 96.1 -> 62.6, 256
+# 161.2 -> 123.2 (with products of 16 rows at a time, 192 and 256 tokens had been faster in the loop, ad hoc)
 MAX_TOKENS = 256
 
 
