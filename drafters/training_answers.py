@@ -8,6 +8,7 @@ checks that they are the same prompts.
 
     python drafters/training_answers.py pack --data train.jsonl                   # -> drafters/training_answers.npz
     python drafters/training_answers.py unpack --out train.jsonl [--data-dir ../shared/data]
+    python drafters/training_answers.py datastore --out ../src/dspark/drafters/smollm2-135m-dspark/datastore.npz
 """
 from __future__ import annotations
 
@@ -71,6 +72,13 @@ def unpack(answers: Path, out: Path, data_dir: str | None):
     print(f"{len(lines)} records -> {out}")
 
 
+def datastore(answers: Path, out: Path):
+    """The answers' tokens alone, for retrieval drafts (src/dspark/draft/datastore.py) beside a drafter."""
+    z = np.load(answers)
+    np.savez_compressed(out, tokens=z["tokens"], lengths=z["lengths"])
+    print(f"{len(z['lengths'])} answers ({len(z['tokens'])} tokens) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n")[-1], formatter_class=argparse.RawTextHelpFormatter)
@@ -84,9 +92,14 @@ def main(argv=None) -> int:
     b.add_argument("--out", type=Path, required=True, help="regenerated JSONL to write")
     b.add_argument("--data-dir", default=None, help="folder with gsm8k_train.jsonl and the eval sets "
                    "[$DSPARK_DATA, else ../shared/data]")
+    c = sub.add_parser("datastore", help="answers file -> a drafter's datastore.npz (retrieval drafts)")
+    c.add_argument("--answers", type=Path, default=DEFAULT, help="answers file [%(default)s]")
+    c.add_argument("--out", type=Path, required=True, help="datastore.npz to write (in a drafter folder)")
     args = p.parse_args(argv)
     if args.cmd == "pack":
         pack(args.data, args.out, args.num_prompts)
+    elif args.cmd == "datastore":
+        datastore(args.answers, args.out)
     else:
         unpack(args.answers, args.out, args.data_dir)
     return 0

@@ -70,7 +70,7 @@ def test_lookup_first_greedy_equals_plain(make_llm, greedy, chat_ids, solo_greed
     propose = drafter.propose
 
     def spy(requests, limit=None):
-        found = [bool(drafter.lookup.lookup(r.all_token_ids)) for r in requests]
+        found = [bool(drafter.lookup(r.all_token_ids)) for r in requests]
         sources.append((sum(found), len(found) - sum(found)))
         return propose(requests, limit)
 

@@ -22,6 +22,21 @@ def default_fits(target) -> bool:
         c.vocab_size, c.hidden_size, c.num_hidden_layers)
 
 
+def lookup_sources(folder: Path, gamma: int) -> list:
+    """What lookup+FOLDER looks up first: prompt lookup. Where the folder has a datastore of the target's answers
+    (datastore.npz), prompt lookup of 3- and 2-grams, then the datastore (matches of 2 tokens or more whose first
+    continuation most of them share), then prompt lookup of 1-grams: the order of their accepted tokens per step
+    (ad hoc, the bundled drafter's, 16 gsm8k and humaneval answers, greedy, bf16: 2.40 after prompt lookup's 3-
+    and 2-grams, 0.99 from the datastore, 0.66 after 1-grams, 0.65 from DSpark where none found a draft)."""
+    path = folder / "datastore.npz"
+    if not path.is_file():
+        return [PromptLookupDrafter(gamma)]
+    from .datastore import Datastore
+
+    return [PromptLookupDrafter(gamma, min_ngram=2), Datastore.load(path, gamma=gamma),
+            PromptLookupDrafter(gamma, max_ngram=1)]
+
+
 def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, single_stream: bool = False) -> Drafter:
     """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "auto": that
     one where it fits the target, behind prompt lookup for a single stream, else prompt lookup; "none";
@@ -45,8 +60,10 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, s
     if isinstance(spec, str) and spec.startswith("lookup+"):  # prompt lookup first, the named drafter elsewhere
         from .lookup_first import LookupFirstDrafter
 
-        inner = make_drafter(spec[len("lookup+"):], gamma, target, max_model_len)
-        return LookupFirstDrafter(inner, PromptLookupDrafter(gamma=inner.gamma))
+        folder = spec[len("lookup+"):]
+        inner = make_drafter(folder, gamma, target, max_model_len)
+        return LookupFirstDrafter(inner, lookup_sources(DEFAULT_DRAFTER_DIR if folder == "default" else Path(folder),
+                                                        inner.gamma))
     if spec == "default":
         if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
             raise ValueError(f"no default drafter is bundled at {DEFAULT_DRAFTER_DIR}; give a drafter folder")

@@ -1,7 +1,9 @@
-"""Prompt lookup first, a trained drafter elsewhere: where the context's last n-gram occurred before, draft the
-tokens that followed it (no forward at all); for the other requests the drafter drafts. Which source drafts
-depends only on the committed context, so verification stays lossless. Lookup drafts are point masses: where a
-step mixes both sources, their q rows are one-hot, which verification treats exactly as a point mass.
+"""Lookups first, a trained drafter elsewhere: each request's draft comes from the first of an ordered list of
+lookup sources that finds one (prompt lookup: the tokens that followed the context's last n-gram earlier in the
+context; a datastore of the target's own answers: datastore.py), with no forward at all; for the other requests
+the drafter drafts. Which source drafts depends only on the committed context, so verification stays lossless.
+Lookup drafts are point masses: where a step mixes them with the drafter's, their q rows are one-hot, which
+verification treats exactly as a point mass.
 
 On the bundled target, text that repeats itself (numbers restated in a math answer, names in code) is common,
 and a lookup draft costs nothing to make (0.04 ms), while a drafter call costs a third of a target step on a CPU
@@ -21,14 +23,23 @@ class LookupFirstDrafter(Drafter):
     # lookup drafts carry no confidences, so the steps are scheduled at fixed length (scheduler "auto")
     has_confidence = False
 
-    def __init__(self, drafter: Drafter, lookup: PromptLookupDrafter | None = None):
+    def __init__(self, drafter: Drafter, sources: list | None = None):
+        """sources: objects with lookup(context token ids) -> draft token ids ([] where they find none), first
+        first; default: prompt lookup of 3- to 1-grams."""
         self.drafter = drafter
-        self.lookup = lookup or PromptLookupDrafter(drafter.gamma)
+        self.sources = sources or [PromptLookupDrafter(drafter.gamma)]
         self.gamma = drafter.gamma
         self.target_layer_ids = drafter.target_layer_ids
 
+    def lookup(self, context: list[int]) -> list[int]:
+        for source in self.sources:
+            found = source.lookup(context)
+            if found:
+                return found[:self.gamma]
+        return []
+
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
-        found = [self.lookup.lookup(req.all_token_ids) for req in requests]
+        found = [self.lookup(req.all_token_ids) for req in requests]
         if all(found):  # no drafter call this step
             return point_masses(found, self.gamma)
         drafted = self.drafter.propose(requests, limit)
