@@ -7,8 +7,11 @@
 // one), norms and attention compute in float32 as there; only the order of float32 sums (and e^x, within 2 ulp)
 // differs, so results match model.py's within rounding. A token's results depend on its own row alone.
 #include <math.h>
+#include <stdlib.h>
 #include <omp.h>
 
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -184,6 +187,8 @@ static void attend(const T* q, const T* keys, const T* values, int64_t L, int64_
   }
 }
 
+#include "tile_attention.h"
+
 // y = round(x + a), elementwise over n values.
 template <typename T>
 static void residual(T* x, const T* a, int64_t n) {
@@ -217,6 +222,17 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   keys = (keys + LANES - 1) / LANES * LANES;
   std::vector<T> h(n * d), qkv(n * QKV), att(n * H * hd), gate_up(n * 2 * F), act(n * F), out(n * d);
   std::vector<float> scratch(threads * 4 * keys);
+  std::vector<std::pair<int64_t, int64_t>> runs;  // tile attention's items: (first token, tokens) of one slot
+#ifdef TILE_ATTENTION
+  const char *off = getenv("DSPARK_TILES"), *attention_off = getenv("DSPARK_TILE_ATTENTION");  // "0": off
+  if (std::is_same<T, bf16>::value && tile_attention::fits(hd, G) && !(off && off[0] == '0') &&
+      !(attention_off && attention_off[0] == '0'))
+    for (int64_t t = 0; t < n; t++)
+      if (runs.empty() || slot[t] != slot[runs.back().first] || (runs.back().second + 1) * G > tile_attention::ROWS)
+        runs.push_back({t, 1});
+      else
+        runs.back().second++;
+#endif
   for (int64_t l = 0; l < m.layers; l++) {
     const Layer& w = m.layer[l];
     rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
@@ -240,11 +256,32 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
         memcpy(kc + at, k, hd * sizeof(T));
         memcpy(vc + at, qkv.data() + t * QKV + (H + KVH + kh) * hd, hd * sizeof(T));
       }
+#ifdef TILE_ATTENTION
+      if (runs.size()) {  // bf16 on AMX: the G heads of up to 16 / G tokens of a request at a time
+        tile_attention::configure();
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < n * KVH; i++) {
-        const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
-        attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
-               scratch.data() + omp_get_thread_num() * 4 * keys);
+        for (int64_t i = 0; i < (int64_t)runs.size() * KVH; i++) {  // head by head: a thread reads fewer heads
+          const int64_t kh = i / runs.size(), t = runs[i % runs.size()].first, tokens = runs[i % runs.size()].second;
+          const int64_t at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
+          int64_t limit[tile_attention::ROWS];
+          for (int64_t k = 0; k < tokens; k++) limit[k] = visible[t + k] + 1;
+          if (tokens == 1)  // G rows alone: the vector loops are as fast
+            attend(qkv.data() + t * QKV, kc + at, vc + at, limit[0], kh * G, G, hd, att.data() + t * H * hd,
+                   scratch.data() + omp_get_thread_num() * 4 * keys);
+          else
+            tile_attention::attend((const bf16*)qkv.data() + t * QKV, QKV, (const bf16*)kc + at, (const bf16*)vc + at,
+                                   limit, tokens, G, kh * G, hd, (bf16*)att.data() + t * H * hd, H * hd);
+        }
+        _tile_release();
+      } else
+#endif
+      {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n * KVH; i++) {
+          const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
+          attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
+                 scratch.data() + omp_get_thread_num() * 4 * keys);
+        }
       }
     }
     product(att.data(), w.o, w.o_tiles, w.o_bias, out.data(), n, d, H * hd, threads);
