@@ -12,8 +12,10 @@ conditional acceptance, and single-request speed against plain decoding (and lla
     end-of-sequence token as `dspark generate` does (--speed-past-eos: exactly that many, the model's text past its
     answer included), every system interleaved prompt by prompt: plain decoding, each drafter at fixed γ, DSpark
     under the async scheduler (the default for batches: it skips the drafter where no budget pays for it), prompt
-    lookup (`--drafter prompt-lookup`, no trained drafter), prompt lookup first and DSpark where it finds no match
-    at fixed γ ("lookup+dspark": what `dspark generate` runs by default, one stream), llama.cpp.
+    lookup (`--drafter prompt-lookup`, no trained drafter), lookups first and DSpark where none finds a draft
+    ("lookup+dspark": what `dspark generate` runs by default, one stream: prompt lookup of a long repeat, up to 2γ
+    drafts, of 3- and 2-grams, the drafter folder's datastore of the target's answers, prompt lookup of 1-grams),
+    llama.cpp.
     Headline: dspark_vs_plain_bs1 is that default's speed-up; dspark_fixed_vs_plain_bs1 DSpark alone at fixed γ.
 """
 from __future__ import annotations
@@ -257,8 +259,9 @@ def markdown(result: dict) -> str:
         "Exactly new_tokens per prompt, past the end of the answer." if result["settings"].get("speed_past_eos") else
         "Each answer ends at its end-of-sequence token; new_tokens is the mean per prompt.",
         " dspark, dflash, eagle3, mtp: every draft verified (fixed γ); dspark-async: DSpark under the async scheduler"
-        " (the default for batches); lookup+dspark: prompt lookup first, DSpark where it finds no match, fixed γ (the"
-        " default of `dspark generate`).\n",
+        " (the default for batches); lookup+dspark: lookups first (prompt lookup of long repeats up to 2γ, of 3- and"
+        " 2-grams, the datastore of the target's answers, prompt lookup of 1-grams), DSpark where none finds a draft"
+        " (the default of `dspark generate`).\n",
         markdown_table(speed, ["system", "requests", "new_tokens", "tokens_per_s", "vs_plain", "tau"]),
         "\n## Headline\n",
         markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()], ["figure", "value"]),

@@ -1,9 +1,10 @@
-"""What the session-29 kernels buy on this CPU, side by side: (1) all of the target's layer products plus its LM
+"""What the AMX-era kernels buy on this CPU, side by side: (1) all of the target's layer products plus its LM
 head for M rows, over the weights' copies packed for AMX's tiles (skinny.tiles) against the same products without
 them (vdpbf16ps, or the float32 path elsewhere); (2) each row's argmax of M rows of bf16 logits, argmax.cpp against
-torch.argmax; (3) whole verify forwards of R requests x 8 tokens, fused_layers.cpp against model.py's layer loop.
-Each pair is timed interleaved, in rotated order; medians. Where the CPU runs no tiles, the two product columns
-measure the same thing.
+torch.argmax; (3) whole verify forwards of R requests x 8 tokens, fused_layers.cpp against model.py's layer loop;
+(4) fused verify forwards of one request's M tokens (M > 1) with attention on the tiles (tile_attention.h) against
+the vector loops (DSPARK_TILE_ATTENTION=0). Each pair is timed interleaved, in rotated order; medians. Where the
+CPU runs no tiles, the two columns of (1) and of (4) measure the same thing.
 
     python benchmarks/tiles.py            # bf16, M = 1, 2, 4, 8, 16, 32; R = 4, 8, 16, 32
     python benchmarks/tiles.py --quick    # smoke test
@@ -104,6 +105,25 @@ def forward_rows(llm, args, log) -> list[dict]:
     return rows
 
 
+def attention_rows(llm, args, log) -> list[dict]:
+    model = llm.engine.target
+    context = llm.tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"][:args.context]
+    rows = []
+    for T in [m for m in args.rows if m > 1]:
+        bench = VerifyBench(model, context, 1, T)
+
+        def forward(on):
+            os.environ["DSPARK_TILE_ATTENTION"] = "1" if on else "0"  # read by fused_layers.cpp at each forward
+            with fused(True):
+                bench.time([T], 1, warmup=0)
+        ms = median_ms({"tiles": lambda: forward(True), "vector": lambda: forward(False)}, args)
+        os.environ.pop("DSPARK_TILE_ATTENTION")
+        rows.append({"part": "attention", "size": T, "ms_new": ms["tiles"], "ms_old": ms["vector"],
+                     "speedup": ms["vector"] / ms["tiles"]})
+        log(f"forward of {T} tokens: attention on tiles {ms['tiles']:.2f} ms, vector loops {ms['vector']:.2f} ms")
+    return rows
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     return (result_preamble(result) + f"\nAMX tiles here: {result['tiles']}. bf16, medians of {s['repeats']} x "
@@ -111,7 +131,10 @@ def markdown(result: dict) -> str:
             "head for `size` rows, ms_new over the packed copies (skinny.tiles), ms_old without them. argmax: "
             "`size` rows of bf16 logits, ms_new argmax.cpp, ms_old torch.argmax. forward: a verify forward of "
             f"`size` tokens (requests of 8, after {s['context']} cached tokens, LM head included), ms_new "
-            "fused_layers.cpp, ms_old model.py's layer loop (DSPARK_FUSED=0). speedup = ms_old / ms_new.\n\n"
+            "fused_layers.cpp, ms_old model.py's layer loop (DSPARK_FUSED=0). attention: a fused verify forward of "
+            f"one request's `size` tokens after {s['context']} cached tokens (LM head included), ms_new with attention "
+            "on AMX's tiles (tile_attention.h), ms_old on the vector loops (DSPARK_TILE_ATTENTION=0). "
+            "speedup = ms_old / ms_new.\n\n"
             + markdown_table(result["rows"], ["part", "size", "ms_new", "ms_old", "speedup"]))
 
 
@@ -124,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(dtype="bf16", drafter="none", threads=args.threads, max_num_seqs=max(args.requests))
     model = llm.engine.target
     result["tiles"] = runs_tiles()
-    result["rows"] = product_rows(model, args, log) + argmax_rows_timed(model, args, log) + forward_rows(llm, args, log)
+    result["rows"] = (product_rows(model, args, log) + argmax_rows_timed(model, args, log) + forward_rows(llm, args, log)
+                      + attention_rows(llm, args, log))
     result["headline"] = {f"{r['part']}_speedup_{r['size']}": r["speedup"] for r in result["rows"]}
     return finish(result, args.out, markdown, {}, log)
 

@@ -192,7 +192,7 @@ def test_tiles_quick_writes_result(tmp_path):
     assert run_script("tiles.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     assert [(r["part"], r["size"]) for r in result["rows"]] == [("products", 1), ("products", 4), ("argmax", 1),
-                                                                 ("argmax", 4), ("forward", 16)]
+                                                                 ("argmax", 4), ("forward", 16), ("attention", 4)]
     assert all(r["ms_new"] > 0 and r["ms_old"] > 0 for r in result["rows"])
     assert "forward_speedup_16" in result["headline"]
 

@@ -76,14 +76,16 @@ def test_lookup_default_puts_the_datastore_between_prompt_lookups(base_llm_fp32)
 
     d = make_drafter("lookup+default", 7, base_llm_fp32.engine.target)
     assert isinstance(d, LookupFirstDrafter)
-    first, ds, last = d.sources
-    assert (first.min_ngram, last.max_ngram, type(ds)) == (2, 1, Datastore) and len(ds) > 500_000
-    assert isinstance(last, PromptLookupDrafter)
-    assert make_drafter("lookup+default", 7, base_llm_fp32.engine.target).sources[1] is ds  # loaded once
+    long, first, ds, last = d.sources
+    assert (long.min_ngram, long.gamma, first.min_ngram, last.max_ngram) == (10, 14, 2, 1)
+    assert isinstance(ds, Datastore) and len(ds) > 500_000 and isinstance(last, PromptLookupDrafter)
+    assert make_drafter("lookup+default", 7, base_llm_fp32.engine.target).sources[2] is ds  # loaded once
 
 
 def test_chain_takes_the_first_source_that_finds_a_draft():
     class Fixed:
+        gamma = 6
+
         def __init__(self, draft):
             self.draft, self.calls = draft, 0
 
@@ -91,6 +93,27 @@ def test_chain_takes_the_first_source_that_finds_a_draft():
             self.calls += 1
             return self.draft
 
-    empty, found, never = Fixed([]), Fixed([4, 5, 6, 7, 8, 9]), Fixed([1])
+    empty, found, never = Fixed([]), Fixed([4, 5, 6, 7, 8, 9, 10]), Fixed([1])
     chain = LookupFirstDrafter(type("D", (), {"gamma": 4, "target_layer_ids": ()})(), [empty, found, never])
-    assert chain.lookup([1, 2]) == [4, 5, 6, 7] and (empty.calls, found.calls, never.calls) == (1, 1, 0)
+    assert chain.gamma == 6 and chain.lookup([1, 2]) == [4, 5, 6, 7, 8, 9]  # cut to the widest source's gamma
+    assert (empty.calls, found.calls, never.calls) == (1, 1, 0)
+
+
+def test_prompt_lookup_equals_a_slice_by_slice_search():
+    """prompt_lookup.py searches the context's bytes (4 per token): the same drafts as comparing list slices,
+    whatever the tokens' bytes (ids past 2^16 too), the n-gram range and gamma."""
+
+    def slices(pl, context):
+        for n in range(min(pl.max_ngram, len(context) - 1), pl.min_ngram - 1, -1):
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == context[-n:]:
+                    return context[start + n:start + n + pl.gamma]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        low, high = sorted([rng.randrange(1, 6), rng.randrange(1, 6)])
+        pl = PromptLookupDrafter(rng.randrange(1, 9), max_ngram=high, min_ngram=low)
+        vocab = rng.choice([2, 3, 300, 70_000, 2**24 + 3])
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        assert pl.lookup(context) == slices(pl, context), (context, pl.__dict__)

@@ -8,6 +8,7 @@ import torch
 from dspark import SamplingParams
 from dspark.draft import Drafter, Proposal, make_drafter
 from dspark.draft.lookup_first import LookupFirstDrafter
+from dspark.draft.prompt_lookup import PromptLookupDrafter
 from dspark.engine.request import Request
 from dspark.verify import rejection_sample
 
@@ -62,6 +63,21 @@ def test_a_step_mixes_lookup_and_drafter_rows():
     assert inner.calls == 1 and only_lookup.q is None and only_lookup.lengths.tolist() == [3, 2]
 
 
+def test_a_long_repeat_drafts_more_and_widens_a_mixed_step():
+    inner = DenseDrafter()
+    drafter = LookupFirstDrafter(inner, [PromptLookupDrafter(2 * G, max_ngram=12, min_ngram=10), PromptLookupDrafter(G)])
+    assert drafter.gamma == 2 * G
+    repeat = list(range(1, V)) + [1, 2]
+    long, fresh = request(repeat + [0] + repeat), request([1, 2, 3, 4, 5])  # the last 12 tokens occurred before
+    mixed = drafter.propose([long, fresh])
+    assert mixed.tokens.shape[1] == 2 * G and mixed.lengths.tolist() == [2 * G, G]
+    assert mixed.tokens[0].tolist() == [0] + repeat[:2 * G - 1]
+    assert torch.equal(mixed.q[0], torch.nn.functional.one_hot(mixed.tokens[0], V).float())
+    assert torch.allclose(mixed.q[1, :G].sum(-1), torch.ones(G)) and mixed.q[1, G:].abs().sum() == 0
+    short = drafter.propose([request([5, 6, 7, 8, 9, 10, 5])])  # a 1-gram match: G drafts at most
+    assert short.tokens.shape[1] == 2 * G and short.lengths.tolist() == [G] and inner.calls == 1
+
+
 def test_lookup_first_greedy_equals_plain(make_llm, greedy, chat_ids, solo_greedy):
     llm = make_llm("lookup+default", max_num_seqs=4)
     drafter = llm.engine.drafter
@@ -84,7 +100,10 @@ def test_lookup_first_greedy_equals_plain(make_llm, greedy, chat_ids, solo_greed
 
 def test_lookup_plus_spec_builds_the_named_drafter(base_llm_fp32):
     d = make_drafter("lookup+default", 7, base_llm_fp32.engine.target)
-    assert isinstance(d, LookupFirstDrafter) and d.gamma == 7 and d.target_layer_ids == d.drafter.target_layer_ids
+    assert isinstance(d, LookupFirstDrafter) and d.target_layer_ids == d.drafter.target_layer_ids
+    assert (d.drafter_gamma, d.gamma) == (7, 14)  # a long repeat drafts up to 2 gamma
+    assert base_llm_fp32.sibling("lookup+default").engine.scheduler.gamma == 14  # fixed length lets it through
+    assert make_drafter("lookup+default", 4, base_llm_fp32.engine.target).drafter_gamma == 4
 
 
 def test_auto_puts_lookup_first_for_one_stream_only(base_llm_fp32):

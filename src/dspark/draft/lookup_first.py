@@ -23,12 +23,14 @@ class LookupFirstDrafter(Drafter):
     # lookup drafts carry no confidences, so the steps are scheduled at fixed length (scheduler "auto")
     has_confidence = False
 
-    def __init__(self, drafter: Drafter, sources: list | None = None):
-        """sources: objects with lookup(context token ids) -> draft token ids ([] where they find none), first
-        first; default: prompt lookup of 3- to 1-grams."""
+    def __init__(self, drafter: Drafter, sources: list | None = None, gamma: int | None = None):
+        """sources: objects with lookup(context token ids) -> draft token ids ([] where they find none) and a gamma
+        (the most they draft), first first; default: prompt lookup of 3- to 1-grams. gamma: the most drafts the
+        drafter makes a step (default its own); a source may draft more (prompt lookup of a long repeat)."""
         self.drafter = drafter
-        self.sources = sources or [PromptLookupDrafter(drafter.gamma)]
-        self.gamma = drafter.gamma
+        self.drafter_gamma = gamma or drafter.gamma
+        self.sources = sources or [PromptLookupDrafter(self.drafter_gamma)]
+        self.gamma = max(self.drafter_gamma, *(source.gamma for source in self.sources))  # the widest draft
         self.target_layer_ids = drafter.target_layer_ids
 
     def lookup(self, context: list[int]) -> list[int]:
@@ -42,18 +44,20 @@ class LookupFirstDrafter(Drafter):
         found = [self.lookup(req.all_token_ids) for req in requests]
         if all(found):  # no drafter call this step
             return point_masses(found, self.gamma)
-        drafted = self.drafter.propose(requests, limit)
+        drafted = self.drafter.propose(requests, self.drafter_gamma if limit is None else min(limit, self.drafter_gamma))
         if not any(found):  # the drafter's drafts, without its confidences (see has_confidence)
             return Proposal(drafted.tokens, drafted.q, drafted.lengths)
-        looked_up = point_masses(found, drafted.tokens.shape[1])
+        width = max(drafted.tokens.shape[1], *map(len, found))
+        looked_up = point_masses(found, width)
         rows = torch.tensor([bool(f) for f in found])
-        tokens = torch.where(rows[:, None], looked_up.tokens, drafted.tokens)
+        drafts = torch.nn.functional.pad(drafted.tokens, (0, width - drafted.tokens.shape[1]))
+        tokens = torch.where(rows[:, None], looked_up.tokens, drafts)
         lengths = torch.where(rows, looked_up.lengths, drafted.lengths)
         if drafted.q is None:  # the drafter's drafts are point masses too
             return Proposal(tokens, None, lengths)
-        q = drafted.q.clone()
+        q = torch.nn.functional.pad(drafted.q, (0, 0, 0, width - drafted.q.shape[1]))  # a copy, zero past its drafts
         q[rows] = 0
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(width)
         one_hot = rows[:, None] & (positions[None, :] < lengths[:, None])  # [R, K]: a lookup draft sits here
         q[one_hot, tokens[one_hot]] = 1.0
         return Proposal(tokens, q, lengths)

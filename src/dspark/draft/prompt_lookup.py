@@ -1,10 +1,17 @@
 """Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last
-n-gram (longest n first). Drafts are point masses, so verification accepts x with probability p(x)."""
+n-gram (longest n first). Drafts are point masses, so verification accepts x with probability p(x).
+
+The search runs over the context as bytes (4 per token) with bytes.rfind, in C: a lookup of 3- to 1-grams in a
+context of ~240 tokens takes ~10 us (ad hoc), where comparing list slices took 30-90 us."""
 from __future__ import annotations
+
+from array import array
 
 import torch
 
 from .base import Drafter, Proposal
+
+WORD = "I" if array("I").itemsize == 4 else "L"  # 4-byte tokens
 
 
 class PromptLookupDrafter(Drafter):
@@ -15,11 +22,14 @@ class PromptLookupDrafter(Drafter):
 
     def lookup(self, context: list[int]) -> list[int]:
         n_ctx = len(context)
+        data = array(WORD, context).tobytes()
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            tail = context[-n:]
-            for start in range(n_ctx - n - 1, -1, -1):  # latest match first
-                if context[start:start + n] == tail:
-                    return context[start + n:start + n + self.gamma]
+            tail, end = data[-4 * n:], 4 * (n_ctx - 1)  # a match ends before the context's last token
+            while (at := data.rfind(tail, 0, end)) >= 0:
+                if at % 4 == 0:  # whole tokens, not bytes across two
+                    start = at // 4 + n
+                    return context[start:start + self.gamma]
+                end = at + 4 * n - 1
         return []
 
     def propose(self, requests: list, limit: int | None = None) -> Proposal:

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..draft import make_drafter
+from ..draft.lookup_first import LookupFirstDrafter
 from ..sampling import SamplingParams
 from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler, resolve_auto
 from ..schedule.profile import cached_profile
@@ -43,8 +44,10 @@ class LLM:
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
         max_len = self.config.max_model_len or model.config.max_position_embeddings
         single_stream = self.config.max_num_seqs == 1 and scheduler in ("auto", "fixed")  # "auto": lookup first
-        self.engine = LLMEngine(model, self.tokenizer, make_drafter(drafter, gamma, model, max_len, single_stream),
-                                FixedLength(gamma), self.config)
+        made = make_drafter(drafter, gamma, model, max_len, single_stream)
+        if isinstance(made, LookupFirstDrafter):  # its sources cut their own drafts (a long repeat's to 2 gamma)
+            gamma = made.gamma
+        self.engine = LLMEngine(model, self.tokenizer, made, FixedLength(gamma), self.config)
         scheduler = resolve_auto(scheduler, self.engine.drafter)
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
             key = (str(self.target_path), str(drafter), self.config.dtype, self.config.max_num_seqs,
