@@ -7,9 +7,10 @@
 // rounded to bf16 as model.py's batched attention rounds its probabilities, and out = (e V) / sum(e), the sum in
 // float32 (tile A: 32 keys' rounded e, B: 32 values' 16 columns as row pairs). A row's result depends on its own
 // query and keys alone, not on the rows beside it. A request's single token keeps the vector loops (as fast for G
-// rows). DSPARK_TILE_ATTENTION=0 (or DSPARK_TILES=0) turns it off. Measured on a 2-core Xeon with AMX (ad hoc,
-// SmolLM2-135M's bf16 fused forwards after 300 cached tokens, the vector loops -> here): 8 tokens 11.37 -> 10.52 ms,
-// 16 tokens 13.76 -> 11.91 ms; the vector loops' attention of 8 tokens cost 2.0 ms of it, 16 tokens 3.4.
+// rows). DSPARK_TILE_ATTENTION=0 (or DSPARK_TILES=0) turns it off. Measured on a 2-core Xeon with AMX, SmolLM2-135M's
+// bf16 fused forwards, the vector loops -> here: after 200 cached tokens with the LM head (benchmarks/results/
+// tiles.md) 8 tokens 13.91 -> 13.24 ms, 16 tokens 16.48 -> 15.49, 32 tokens 23.19 -> 20.44; ad hoc after 300
+// without it, 8 tokens 11.37 -> 10.52, where the vector loops' attention had cost 2.0 ms.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #define TILE_ATTENTION 1
