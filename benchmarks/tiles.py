@@ -12,6 +12,7 @@ CPU runs no tiles, the two columns of (1) and of (4) measure the same thing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -88,40 +89,45 @@ def argmax_rows_timed(model, args, log) -> list[dict]:
     return rows
 
 
-def forward_rows(llm, args, log) -> list[dict]:
+@contextlib.contextmanager
+def tile_attention(on: bool):
+    """Fused forwards with attention on AMX's tiles or on the vector loops (DSPARK_TILE_ATTENTION, read by
+    fused_layers.cpp at each forward)."""
+    os.environ["DSPARK_TILE_ATTENTION"] = "1" if on else "0"
+    try:
+        with fused(True):
+            yield
+    finally:
+        os.environ.pop("DSPARK_TILE_ATTENTION")
+
+
+def verify_rows(llm, args, log, part: str, queries: dict[int, list[int]], way) -> list[dict]:
+    """Verify forwards after args.context cached tokens, of query lengths queries[size] (one per request), timed
+    under the context manager way(True) (ms_new) against way(False) (ms_old)."""
     model = llm.engine.target
     context = llm.tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"][:args.context]
     rows = []
-    for R in args.requests:
-        bench = VerifyBench(model, context, R, 8)
+    for size, lengths in queries.items():
+        bench = VerifyBench(model, context, len(lengths), max(lengths))
 
         def forward(on):
-            with fused(on):
-                bench.time([8] * R, 1, warmup=0)
-        ms = median_ms({"fused": lambda: forward(True), "loop": lambda: forward(False)}, args)
-        rows.append({"part": "forward", "size": 8 * R, "ms_new": ms["fused"], "ms_old": ms["loop"],
-                     "speedup": ms["loop"] / ms["fused"]})
-        log(f"forward of {R} x 8 tokens: fused {ms['fused']:.1f} ms, loop {ms['loop']:.1f} ms")
+            with way(on):
+                bench.time(lengths, 1, warmup=0)
+        ms = median_ms({"new": lambda: forward(True), "old": lambda: forward(False)}, args)
+        rows.append({"part": part, "size": size, "ms_new": ms["new"], "ms_old": ms["old"],
+                     "speedup": ms["old"] / ms["new"]})
+        log(f"{part}, {len(lengths)} x {max(lengths)} tokens: {ms['new']:.2f} ms new, {ms['old']:.2f} ms old")
     return rows
+
+
+def forward_rows(llm, args, log) -> list[dict]:
+    """fused_layers.cpp against model.py's layer loop, R requests x 8 tokens."""
+    return verify_rows(llm, args, log, "forward", {8 * R: [8] * R for R in args.requests}, fused)
 
 
 def attention_rows(llm, args, log) -> list[dict]:
-    model = llm.engine.target
-    context = llm.tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"][:args.context]
-    rows = []
-    for T in [m for m in args.rows if m > 1]:
-        bench = VerifyBench(model, context, 1, T)
-
-        def forward(on):
-            os.environ["DSPARK_TILE_ATTENTION"] = "1" if on else "0"  # read by fused_layers.cpp at each forward
-            with fused(True):
-                bench.time([T], 1, warmup=0)
-        ms = median_ms({"tiles": lambda: forward(True), "vector": lambda: forward(False)}, args)
-        os.environ.pop("DSPARK_TILE_ATTENTION")
-        rows.append({"part": "attention", "size": T, "ms_new": ms["tiles"], "ms_old": ms["vector"],
-                     "speedup": ms["vector"] / ms["tiles"]})
-        log(f"forward of {T} tokens: attention on tiles {ms['tiles']:.2f} ms, vector loops {ms['vector']:.2f} ms")
-    return rows
+    """Fused forwards of one request's M > 1 tokens, attention on the tiles against the vector loops."""
+    return verify_rows(llm, args, log, "attention", {T: [T] for T in args.rows if T > 1}, tile_attention)
 
 
 def markdown(result: dict) -> str:

@@ -145,24 +145,11 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 // takes 7.1-7.5 ms for one row. Whole forwards (fused_layers.cpp with the LM head, after 300 cached tokens,
 // vdpbf16ps and tiles interleaved, medians of 80, two runs): 2 tokens 12.4 -> 11.9-12.2 ms, but 1 token 10.6 ->
 // 11.5 ms, so one row stays on vdpbf16ps.
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 static const int64_t AMX_ROWS = 32;  // weight rows per block: two B tiles of 16
 static const int64_t AHEAD = 4;  // tiles asked for ahead
 static const int64_t AMX_MIN_ROWS = 2;  // one row stays on vdpbf16ps (see above)
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the tile registers' state only on request (once per process).
-static bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
 
 static const int64_t AMX_MAX_ROWS = 32;  // rows of x per weight pass: two A tiles of 16
 

@@ -46,9 +46,9 @@ from .loading import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
 # one library: the products, fused_layers.cpp's forwards built on them and argmax.cpp's greedy picks (simd.h: what
-# they share)
+# they share; amx.h: what skinny.cpp's and tile_attention.h's AMX code share)
 SOURCES = (SOURCE, SOURCE.with_name("fused_layers.cpp"), SOURCE.with_name("argmax.cpp"))
-HEADERS = (SOURCE.with_name("simd.h"), SOURCE.with_name("tile_attention.h"))
+HEADERS = (SOURCE.with_name("simd.h"), SOURCE.with_name("amx.h"), SOURCE.with_name("tile_attention.h"))
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_ROWS = 16  # beyond, PyTorch's kernels are as fast or faster (see above)
 DTYPES = {torch.bfloat16: "skinny_bf16", torch.float32: "skinny_f32"}

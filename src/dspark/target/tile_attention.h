@@ -14,34 +14,23 @@
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #define TILE_ATTENTION 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <vector>
+
+#include "amx.h"
 
 namespace tile_attention {
 
 static const int64_t ROWS = 16;  // query rows of one call: one A tile
 
-// Linux hands out the tile registers' state only on request (once per process).
-static bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
 // Whether a head of hd values with G query heads per KV head runs here.
-static inline bool fits(int64_t hd, int64_t G) { return hd % 32 == 0 && hd <= 256 && G <= ROWS && permitted(); }
-
-struct alignas(64) Config {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+static inline bool fits(int64_t hd, int64_t G) {
+  return hd % 32 == 0 && hd <= 256 && G <= ROWS && amx_permitted();
+}
 
 // Tiles 0-3: sums (scores: tile 0; weighed values: 16 columns of the head each), 4: queries or probabilities (A),
 // 5: keys or values (B); all 16 rows of 64 bytes. Each thread configures before its calls and releases after.
 static void configure() {
-  Config c = {};
+  TileConfig c = {};
   c.palette = 1;
   for (int t = 0; t < 6; t++) {
     c.rows[t] = 16;
