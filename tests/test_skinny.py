@@ -82,7 +82,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
 @needs_tiles
 def test_packed_weights_give_the_product_and_rows_alone():
     g = torch.Generator().manual_seed(2)
-    for n, k in ((64, 96), (80, 576), (32, 1536)):  # 80: two whole blocks of 32 rows, 16 rows beside them
+    for n, k in ((64, 96), (80, 576), (32, 1536)):  # blocks of 48 and 16 or 32 rows (up to 16 rows of x), 32 and 16 (more)
         layer = packed_linear(n, k, n + k)
         packed = skinny.tiles(layer)
         assert packed is not None and skinny.tiles(layer) is packed  # made once

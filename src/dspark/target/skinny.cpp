@@ -132,88 +132,122 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // With AMX (Intel Xeon since Sapphire Rapids), bf16 products of 2 to 32 rows over a weight that has a packed copy
-// (skinny.py's `tiles`) run on the tile unit: one tdpbf16ps multiplies up to 16 rows of x by 32 columns of 16 weight
-// rows, and rows 17-32 take a second A tile against the same weight tiles, so the weights are read once for 32 rows
-// (all products of SmolLM2-135M's layers over 32 rows, ad hoc: 16.1 ms as two products of 16, 11.5 ms as one).
-// Tile A is x itself (up to 16 rows, stride K), tile B 16 weight rows' 32 columns as column pairs, 1 KB contiguous
-// in the copy ([N/16][K/32][16 pairs][16 rows][2]), so the weights stream from memory in order and a few tiles
-// ahead are asked for; tile C holds the M x 16 float32 sums, one x row's 16 outputs per C row, stored with vector
-// instructions. Every output sums its 32-column chunks in order whatever M, so a row's result does not depend on
-// the rows beside it (within 2-32 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad
-// hoc, all products of SmolLM2-135M's layers, bf16, medians of 15, two runs each): 4 rows 7.2 ms, 8 rows 8.0 ms,
-// 16 rows 8.0-8.6 ms, where tiles reading the weight rows in place took 11.5, 11.5 and 13.5 ms, and vdpbf16ps
-// takes 7.1-7.5 ms for one row. Whole forwards (fused_layers.cpp with the LM head, after 300 cached tokens,
-// vdpbf16ps and tiles interleaved, medians of 80, two runs): 2 tokens 12.4 -> 11.9-12.2 ms, but 1 token 10.6 ->
-// 11.5 ms, so one row stays on vdpbf16ps.
+// (skinny.py's `tiles`) run on the tile unit: one tdpbf16ps multiplies up to 16 rows of x (tile A: x itself, stride
+// K) by 32 columns of 16 weight rows (tile B: the rows' 32 columns as column pairs, 1 KB contiguous in the copy,
+// [N/16][K/32][16 pairs][16 rows][2]) into tile C, the M x 16 float32 sums (one x row's 16 outputs per C row,
+// stored with vector instructions). Up to 16 rows of x, a block is three such weight tiles (48 weight rows: three
+// streams of B tiles read in order, all three loaded before their products); 17-32 rows take a second A tile
+// against the same weight tiles, so the weights are read once for 32 rows, two weight tiles a block (all products
+// of SmolLM2-135M's layers over 32 rows, ad hoc: 16.1 ms as two products of 16, 11.5 ms as one). Every output sums
+// its 32-column chunks in order into one C tile whatever M or the block, so a row's result does not depend on the
+// rows beside it (within 2-32 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad hoc,
+// whole forwards of SmolLM2-135M with the LM head after 250 cached tokens, bf16, interleaved, medians of 35):
+// 8 tokens 12.6 ms with blocks of two weight tiles, 12.1 with three, 12.4 with four (the fourth reusing a B tile);
+// asking for tiles ahead (1-16 chunks, to L1 or L2) gained nothing or lost up to 0.4 ms. One row stays on
+// vdpbf16ps: whole forwards of 1 token took 10.6 ms there, 11.5 on tiles (ad hoc, an earlier session).
 #include "amx.h"
 
-static const int64_t AMX_ROWS = 32;  // weight rows per block: two B tiles of 16
-static const int64_t AHEAD = 4;  // tiles asked for ahead
 static const int64_t AMX_MIN_ROWS = 2;  // one row stays on vdpbf16ps (see above)
-
 static const int64_t AMX_MAX_ROWS = 32;  // rows of x per weight pass: two A tiles of 16
 
-// Tiles 0-1: sums C of x rows 0-15 (16 floats each, for weight tiles 4 and 5), 2-3: of x rows 16-31; 4-5: weights B
-// (16 column pairs x 16 rows); 6-7: x A (rows 0-15 and 16-31, 32 bf16 each). Tiles of absent rows stay empty.
+// Weight rows per block: three tiles of 16 against one A tile, two against two.
+static int64_t amx_block_rows(int64_t M) { return M <= 16 ? 48 : 32; }
+
+// Up to 16 rows of x: tiles 0-2 hold the sums C of weight tiles 3-5 (B: 16 column pairs x 16 rows), tile 6 x (A,
+// 32 bf16 a row). 17-32 rows: tiles 0-1 the sums of x rows 0-15 against weight tiles 4 and 5, 2-3 of rows 16-31;
+// 6-7 x rows 0-15 and 16-31. Unused tiles stay empty.
 static void configure_tiles(int64_t M) {
   const int64_t first = M < 16 ? M : 16, second = M - first;
-  const int64_t rows[8] = {first, first, second, second, 16, 16, first, second};
+  const int64_t one[8] = {M, M, M, 16, 16, 16, M, 0};
+  const int64_t two[8] = {16, 16, second, second, 16, 16, 16, second};
+  const int64_t* rows = M <= 16 ? one : two;
   TileConfig c = {};
   c.palette = 1;
   for (int t = 0; t < 8; t++) {
     c.rows[t] = (uint8_t)rows[t];
     c.colsb[t] = rows[t] ? 64 : 0;
   }
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
-// y rows m0 .. m0 + rows - 1, weight rows n .. n+31, from their sums (two tiles' worth: [2][16][16]).
-static void store_sums(float (*sums)[16][16], const bf16* b, bf16* y, int64_t rows, int64_t N, int64_t n, int64_t m0) {
-  for (int64_t j = 0; j < rows; j++)
-    for (int h = 0; h < 2; h++) {
-      const int64_t at = n + 16 * h;
-      const vec s = vload(sums[h][j]);
-      vput(y + (m0 + j) * N + at, vround(b ? vadd(s, vload(b + at)) : s, y));
-    }
+// y rows m0 .. m0 + rows - 1, weight rows n .. n+15, from a C tile's sums.
+static void store_tile(const float (*sums)[16], const bf16* b, bf16* y, int64_t rows, int64_t N, int64_t n,
+                       int64_t m0) {
+  for (int64_t j = 0; j < rows; j++) {
+    const vec s = vload(sums[j]);
+    vput(y + (m0 + j) * N + n, vround(b ? vadd(s, vload(b + n)) : s, y));
+  }
 }
+// The tile's number is written into the instruction, so this is a macro.
+#define STORE_SUMS(tile, b, y, rows, N, n, m0) \
+  do {                                         \
+    float sums[16][16];                        \
+    _tile_stored(tile, sums, 64);              \
+    store_tile(sums, b, y, rows, N, n, m0);    \
+  } while (0)
 
-// Weight rows n .. n+31 (wt: the packed copy) against all M rows of x (at most 32); K is a multiple of 32.
-static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
+// Weight rows n .. n + 16G - 1 (wt: the packed copy) against M <= 16 rows of x; K is a multiple of 32.
+template <int G>
+static void block_one(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
                       int64_t n) {
-  const bool two = M > 16;  // a second A tile: x rows 16 ..
+  const int64_t chunks = K / 32;
+  const bf16* w = wt + (n / 16) * chunks * 512;  // weight tile g of chunk c: w + (g * chunks + c) * 512
   _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
+  if (G > 1) _tile_zero(1);
+  if (G > 2) _tile_zero(2);
+  for (int64_t c = 0; c < chunks; c++) {
+    _tile_loadd(6, x + c * 32, K * 2);
+    _tile_loadd(3, w + c * 512, 64);
+    if (G > 1) _tile_loadd(4, w + (chunks + c) * 512, 64);
+    if (G > 2) _tile_loadd(5, w + (2 * chunks + c) * 512, 64);
+    _tile_dpbf16ps(0, 6, 3);
+    if (G > 1) _tile_dpbf16ps(1, 6, 4);
+    if (G > 2) _tile_dpbf16ps(2, 6, 5);
+  }
+  STORE_SUMS(0, b, y, M, N, n, 0);
+  if (G > 1) STORE_SUMS(1, b, y, M, N, n + 16, 0);
+  if (G > 2) STORE_SUMS(2, b, y, M, N, n + 32, 0);
+}
+
+// Weight rows n .. n + 16G - 1 against 17-32 rows of x.
+template <int G>
+static void block_two(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n) {
+  const int64_t chunks = K / 32;
+  const bf16* w = wt + (n / 16) * chunks * 512;
+  _tile_zero(0);
+  _tile_zero(2);
+  if (G > 1) {
+    _tile_zero(1);
     _tile_zero(3);
   }
-  const int64_t chunks = K / 32;
-  const bf16* w0 = wt + (n / 16) * chunks * 512;
-  const bf16* w1 = w0 + chunks * 512;
   for (int64_t c = 0; c < chunks; c++) {
-    for (int64_t line = 0; line < 512; line += 32) {  // prefetching past the end is harmless
-      _mm_prefetch((const char*)(w0 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w1 + (c + AHEAD) * 512 + line), _MM_HINT_T0);
-    }
-    _tile_loadd(4, w0 + c * 512, 64);
-    _tile_loadd(5, w1 + c * 512, 64);
+    _tile_loadd(4, w + c * 512, 64);
+    if (G > 1) _tile_loadd(5, w + (chunks + c) * 512, 64);
     _tile_loadd(6, x + c * 32, K * 2);
+    _tile_loadd(7, x + 16 * K + c * 32, K * 2);
     _tile_dpbf16ps(0, 6, 4);
-    _tile_dpbf16ps(1, 6, 5);
-    if (two) {
-      _tile_loadd(7, x + 16 * K + c * 32, K * 2);
-      _tile_dpbf16ps(2, 7, 4);
-      _tile_dpbf16ps(3, 7, 5);
-    }
+    if (G > 1) _tile_dpbf16ps(1, 6, 5);
+    _tile_dpbf16ps(2, 7, 4);
+    if (G > 1) _tile_dpbf16ps(3, 7, 5);
   }
-  float sums[2][16][16];
-  _tile_stored(0, sums[0], 64);
-  _tile_stored(1, sums[1], 64);
-  store_sums(sums, b, y, M < 16 ? M : 16, N, n, 0);
-  if (two) {
-    _tile_stored(2, sums[0], 64);
-    _tile_stored(3, sums[1], 64);
-    store_sums(sums, b, y, M - 16, N, n, 16);
+  STORE_SUMS(0, b, y, 16, N, n, 0);
+  STORE_SUMS(2, b, y, M - 16, N, n, 16);
+  if (G > 1) {
+    STORE_SUMS(1, b, y, 16, N, n + 16, 0);
+    STORE_SUMS(3, b, y, M - 16, N, n + 16, 16);
+  }
+}
+
+// Weight rows n .. end - 1 (a multiple of 16, at most amx_block_rows(M)) against all M rows of x.
+static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
+                      int64_t n, int64_t end) {
+  switch ((end - n) / 16 + (M > 16 ? 10 : 0)) {
+    case 1: block_one<1>(x, wt, b, y, M, N, K, n); break;
+    case 2: block_one<2>(x, wt, b, y, M, N, K, n); break;
+    case 3: block_one<3>(x, wt, b, y, M, N, K, n); break;
+    case 11: block_two<1>(x, wt, b, y, M, N, K, n); break;
+    case 12: block_two<2>(x, wt, b, y, M, N, K, n); break;
   }
 }
 #endif
@@ -282,18 +316,27 @@ static const int WROWS = LANES == 16 ? 4 : 2;  // weight rows per tile: 4 x 4 ac
 #define SKINNY_AMX 1
 #endif
 
-// Whether whole blocks of bf16 weight rows take the AMX tiles: a packed copy given (wt), AMX_MIN_ROWS..32 rows,
-// compiled in and granted by Linux; float32 products, and CPUs without AMX, never do.
+// Whether bf16 weight rows take the AMX tiles: a packed copy given (wt, whole tiles: N a multiple of 16, K of 32),
+// AMX_MIN_ROWS..AMX_MAX_ROWS rows, compiled in and granted by Linux; float32 products, and CPUs without AMX, never
+// do.
 struct Tiles {
   bool on = false;
   int64_t M = 0;
   const bf16* wt = nullptr;
-  Tiles(const float*, const void*, int64_t) {}
-  Tiles(const bf16*, const void* packed, int64_t rows) : M(rows), wt((const bf16*)packed) {
+  Tiles(const float*, const void*, int64_t, int64_t, int64_t) {}
+  Tiles(const bf16*, const void* packed, int64_t rows, int64_t N, int64_t K) : M(rows), wt((const bf16*)packed) {
 #ifdef SKINNY_AMX
-    static_assert(BLOCK == AMX_ROWS, "a work item is one AMX block");
-    on = wt && M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && amx_permitted();
+    on = wt && M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 && amx_permitted();
+#else
+    (void)N, (void)K;
 #endif
+  }
+  // weight rows per work item
+  int64_t block_rows() const {
+#ifdef SKINNY_AMX
+    if (on) return amx_block_rows(M);
+#endif
+    return BLOCK;
   }
   void begin() const {
 #ifdef SKINNY_AMX
@@ -306,12 +349,13 @@ struct Tiles {
 #endif
   }
   template <typename W>
-  void block(const float*, const W&, const float*, float*, int64_t, int64_t, int64_t) const {}
-  void block(const bf16* x, const Dense<bf16>&, const bf16* b, bf16* y, int64_t N, int64_t K, int64_t n) const {
+  void block(const float*, const W&, const float*, float*, int64_t, int64_t, int64_t, int64_t) const {}
+  void block(const bf16* x, const Dense<bf16>&, const bf16* b, bf16* y, int64_t N, int64_t K, int64_t n,
+             int64_t end) const {
 #ifdef SKINNY_AMX
-    block_amx(x, wt, b, y, M, N, K, n);
+    block_amx(x, wt, b, y, M, N, K, n, end);
 #else
-    (void)x, (void)b, (void)y, (void)N, (void)K, (void)n;
+    (void)x, (void)b, (void)y, (void)N, (void)K, (void)n, (void)end;
 #endif
   }
 };
@@ -319,8 +363,8 @@ struct Tiles {
 template <typename T, typename W>
 static void product(const T* x, const W& w, const void* wt, const T* b, T* y, int64_t M, int64_t N, int64_t K,
                     int threads) {
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-  const Tiles tiles(x, wt, M);
+  const Tiles tiles(x, wt, M, N, K);
+  const int64_t step = tiles.block_rows(), blocks = (N + step - 1) / step;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buffer;
@@ -328,10 +372,10 @@ static void product(const T* x, const W& w, const void* wt, const T* b, T* y, in
     tiles.begin();
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
-      const int64_t end = blk * BLOCK + BLOCK < N ? blk * BLOCK + BLOCK : N;
-      int64_t n = blk * BLOCK;
-      if (tiles.on && end - n == BLOCK) {
-        tiles.block(x, w, b, y, N, K, n);
+      const int64_t end = blk * step + step < N ? blk * step + step : N;
+      int64_t n = blk * step;
+      if (tiles.on) {
+        tiles.block(x, w, b, y, N, K, n, end);
         continue;
       }
       for (; n + WROWS <= end; n += WROWS) rows<WROWS>(x, xf, w, b, y, M, N, K, n);

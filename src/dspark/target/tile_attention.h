@@ -36,7 +36,7 @@ static void configure() {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // dst (16 rows of 16 words, contiguous) = the transpose of the 16 x 16 words at src (rows `stride` bytes apart).
