@@ -19,6 +19,7 @@ from .sampling import sample
 class Verdict:
     num_accepted: torch.Tensor  # [R] accepted drafts
     next_token: torch.Tensor  # [R] correction or bonus token
+    path: list[list[int]] | None = None  # draft trees (draft/tree.py): each request's accepted drafts; None: 0, 1, ...
 
 
 def rejection_sample(p: torch.Tensor, starts: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,

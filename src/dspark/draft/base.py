@@ -13,6 +13,7 @@ class Proposal:
     q: torch.Tensor | None  # [R, gamma, V] draft distributions; None: each draft is a point mass
     lengths: torch.Tensor  # [R] drafts actually proposed (tokens past it are padding)
     confidence: torch.Tensor | None = None  # [R, gamma] c_k in (0, 1)
+    parents: torch.Tensor | None = None  # [R, gamma] long: draft trees (tree.py), each draft's parent; None: chains
 
     @staticmethod
     def empty(num_requests: int) -> "Proposal":

@@ -12,6 +12,7 @@ import torch
 
 from ..config import EngineConfig
 from ..draft.base import Drafter, NoDrafter, Proposal
+from ..draft.tree import layout, tree_verdict
 from ..sampling import SamplingParams, param_tensors, sample, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
@@ -123,15 +124,16 @@ class LLMEngine:
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
         lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()
-        batch = self._verify_batch(reqs, proposal.tokens, lengths)
+        batch = self._verify_batch(reqs, proposal, lengths)
         out = self.target(batch, self.cache)  # 3. verify
         greedy = all(r.params.greedy for r in reqs)
         logits = self.target.logits(out.hidden, None if greedy else torch.float32)
         st.t_verify, t = time.perf_counter() - t, time.perf_counter()
         verdict = self._accept(reqs, logits, batch, proposal, lengths, greedy)  # 4. accept
         accepted = verdict.num_accepted.tolist()
-        new_tokens = [proposal.tokens[i, :n].tolist() + [int(verdict.next_token[i])] for i, n in enumerate(accepted)]
-        self._commit(reqs, batch, out.features, [n + 1 for n in accepted])  # 5. commit
+        paths = verdict.path or [list(range(n)) for n in accepted]  # the accepted drafts (a tree's walk)
+        new_tokens = [proposal.tokens[i, path].tolist() + [int(verdict.next_token[i])] for i, path in enumerate(paths)]
+        self._commit(reqs, batch, out.features, [n + 1 for n in accepted], walks=verdict.path)  # 5. commit
         st.t_sample = time.perf_counter() - t
         st.num_requests, st.verify_tokens = len(reqs), int(batch.tokens.numel())
         st.drafted, st.verified, st.accepted = proposal.lengths.tolist(), lengths.tolist(), accepted
@@ -212,7 +214,11 @@ class LLMEngine:
     def _accept(self, reqs: list[Request], logits: torch.Tensor, batch: FlatBatch, proposal: Proposal,
                 lengths: torch.Tensor, greedy: bool):
         """Chain rejection sampling of the verified drafts (verify.py); a step of greedy requests only needs each
-        row's argmax."""
+        row's argmax (and draft trees, greedy only, the walk down the argmax children: draft/tree.py)."""
+        if proposal.parents is not None:  # draft trees (draft/tree.py): greedy steps only
+            if not greedy:
+                raise ValueError("draft trees are verified for greedy requests only")
+            return tree_verdict(argmax_rows(logits), batch.starts, proposal.tokens, proposal.parents, lengths)
         if greedy:
             return greedy_verdict(argmax_rows(logits), batch.starts, proposal.tokens, lengths)
         p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
@@ -220,24 +226,37 @@ class LLMEngine:
         u = torch.stack([r.uniforms(G + 1) for r in reqs])
         return rejection_sample(p, batch.starts, proposal.tokens, proposal.q, lengths, u[:, :G], u[:, G])
 
-    def _verify_batch(self, reqs: list[Request], drafts: torch.Tensor, lengths: torch.Tensor) -> FlatBatch:
-        toks, pos = [], []
-        for req, row, n in zip(reqs, drafts.tolist(), lengths.tolist()):
+    def _verify_batch(self, reqs: list[Request], proposal: Proposal, lengths: torch.Tensor) -> FlatBatch:
+        """Each request's last token and its first lengths[r] drafts; a draft tree's rows hide the rows that are
+        not their ancestors and are rotated at their depth (draft/tree.py)."""
+        toks, pos, rotary, hidden = [], [], [], []
+        parents = None if proposal.parents is None else proposal.parents.tolist()
+        for r, (req, row, n) in enumerate(zip(reqs, proposal.tokens.tolist(), lengths.tolist())):
             toks += [req.last_token] + row[:n]
             pos += range(req.num_cached, req.num_cached + 1 + n)
+            if parents is not None:
+                depth, hides = layout(parents[r][:n])
+                rotary += [req.num_cached + d for d in depth]
+                hidden += hides
         self.cache.reserve(len(self.running), max(pos) + 1)
-        return FlatBatch(torch.tensor(toks), torch.tensor(pos), (1 + lengths).tolist(), slot_start=reqs[0].slot)
+        tree = {} if parents is None else {"rotary_positions": torch.tensor(rotary), "hidden": torch.tensor(hidden)}
+        return FlatBatch(torch.tensor(toks), torch.tensor(pos), (1 + lengths).tolist(), slot_start=reqs[0].slot, **tree)
 
     def _commit(self, reqs: list[Request], batch: FlatBatch, features, committed: list[int],
-                source: torch.Tensor | None = None):
+                source: torch.Tensor | None = None, walks: list[list[int]] | None = None):
         """Keep the first committed[r] positions of each request's forward; the rest roll back. Request r's
-        positions are those of the batch's request source[r] (default r: its own)."""
+        positions are those of the batch's request source[r] (default r: its own). walks: per request, the drafts a
+        draft tree's verification accepted, whose rows (draft k: row k + 1) move up behind the last token
+        (draft/tree.py)."""
         starts = (batch.starts if source is None else batch.starts[source]).tolist()
-        for req, n in zip(reqs, committed):
-            req.num_cached += n
+        kept = [range(n) for n in committed] if walks is None else [[0] + [k + 1 for k in walk] for walk in walks]
+        for req, keep in zip(reqs, kept):
+            if keep and keep[-1] != len(keep) - 1:  # a walk off the first chain
+                self.cache.keep(req.slot, req.num_cached, list(keep))
+            req.num_cached += len(keep)
         if features is not None:
-            self.drafter.commit(reqs, [batch.tokens[s:s + n] for s, n in zip(starts, committed)],
-                                [features[s:s + n] for s, n in zip(starts, committed)])
+            at = [slice(s, s + len(keep)) if walks is None else torch.tensor(keep) + s for s, keep in zip(starts, kept)]
+            self.drafter.commit(reqs, [batch.tokens[i] for i in at], [features[i] for i in at])
 
     def _emit(self, reqs: list[Request], new_tokens: list[list[int]], count_step: bool = True) -> list[RequestOutput]:
         outputs = []

@@ -143,10 +143,18 @@ static void weigh(const float* p, const float* sum, const T* values, int64_t L, 
   }
 }
 
+// Scores of the keys a draft tree hides from a token: bit j of `hidden` hides key L - 1 - j (the nodes before the
+// token that are not its ancestors; 0 for a chain), which then weigh exactly 0, as keys past L do.
+static inline void hide_keys(float* s, int64_t L, uint64_t hidden) {
+  for (; hidden; hidden &= hidden - 1) s[L - 1 - __builtin_ctzll(hidden)] = -INFINITY;
+}
+
 // NR query rows (q: their hd values each) over the L keys and values of their KV head, into out (NR rows of hd):
-// softmax(q k / sqrt(hd)) v in float32, rounded once. s: scratch of NR rows of L rounded up to LANES floats.
+// softmax(q k / sqrt(hd)) v in float32, rounded once, without the keys `hidden` hides (hide_keys). s: scratch of NR
+// rows of L rounded up to LANES floats.
 template <int NR, typename T>
-static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, int64_t hd, T* out, float* s) {
+static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, uint64_t hidden, int64_t hd, T* out,
+                        float* s) {
   const int64_t padded = (L + LANES - 1) / LANES * LANES;
   float qf[NR * 512], sum[NR];
   for (int64_t i = 0; i < NR * hd; i++) qf[i] = widen(q[i]);
@@ -154,6 +162,7 @@ static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, i
   for (int r = 0; r < NR; r++) {
     float* sr = s + r * padded;
     for (int64_t j = L; j < padded; j++) sr[j] = -INFINITY;  // e^-inf: 0
+    hide_keys(sr, L, hidden);
     vec top = vset(-INFINITY);
     for (int64_t j = 0; j < padded; j += LANES) top = vmax(top, vload(sr + j));
     float most = -INFINITY;
@@ -173,16 +182,16 @@ static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, i
 
 // Query heads g0 .. g0 + G - 1 of one token (q: its H heads, out: its H * hd outputs), four at a time.
 template <typename T>
-static void attend(const T* q, const T* keys, const T* values, int64_t L, int64_t g0, int64_t G, int64_t hd, T* out,
-                   float* s) {
+static void attend(const T* q, const T* keys, const T* values, int64_t L, uint64_t hidden, int64_t g0, int64_t G,
+                   int64_t hd, T* out, float* s) {
   for (int64_t g = g0; g < g0 + G; g += 4) {
     const T* qg = q + g * hd;
     T* og = out + g * hd;
     switch (g0 + G - g < 4 ? g0 + G - g : 4) {
-      case 1: attend_rows<1>(qg, keys, values, L, hd, og, s); break;
-      case 2: attend_rows<2>(qg, keys, values, L, hd, og, s); break;
-      case 3: attend_rows<3>(qg, keys, values, L, hd, og, s); break;
-      default: attend_rows<4>(qg, keys, values, L, hd, og, s); break;
+      case 1: attend_rows<1>(qg, keys, values, L, hidden, hd, og, s); break;
+      case 2: attend_rows<2>(qg, keys, values, L, hidden, hd, og, s); break;
+      case 3: attend_rows<3>(qg, keys, values, L, hidden, hd, og, s); break;
+      default: attend_rows<4>(qg, keys, values, L, hidden, hd, og, s); break;
     }
   }
 }
@@ -208,12 +217,13 @@ static void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t F, int thre
 }
 
 // x [T, d]: the tokens' embeddings in, their last layer's outputs out. Token t sits at position pos[t] of cache
-// slot slot[t] and reads that slot's keys 0 .. visible[t]; cos and sin [T, hd] are its rotary tables. The keys
+// slot slot[t] and reads that slot's keys 0 .. visible[t] but those hidden[t] hides (hide_keys; hidden may be null:
+// none); cos and sin [T, hd] are its rotary tables. The keys
 // and values [layers, slots, kv_heads, capacity, hd] are written before attention reads them. Layer l's outputs
 // are copied to features[:, capture[l] * d ...] (row width `width`) where capture[l] >= 0.
 template <typename T>
-static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible, T* kc,
-                    T* vc, int64_t slots, int64_t capacity, T* x, const T* cos, const T* sin, T* features,
+static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
+                    const int64_t* hidden, T* kc, T* vc, int64_t slots, int64_t capacity, T* x, const T* cos, const T* sin, T* features,
                     const int64_t* capture, int64_t width, int threads) {
   const int64_t d = m.d, H = m.heads, KVH = m.kv_heads, hd = m.head_dim, F = m.inter, G = H / KVH;
   const int64_t QKV = (H + 2 * KVH) * hd;
@@ -264,13 +274,14 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
           const int64_t kh = i / runs.size(), t = runs[i % runs.size()].first, tokens = runs[i % runs.size()].second;
           const int64_t at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
           int64_t limit[tile_attention::ROWS];
-          for (int64_t k = 0; k < tokens; k++) limit[k] = visible[t + k] + 1;
+          uint64_t hides[tile_attention::ROWS];
+          for (int64_t k = 0; k < tokens; k++) limit[k] = visible[t + k] + 1, hides[k] = hidden ? hidden[t + k] : 0;
           if (tokens == 1)  // G rows alone: the vector loops are as fast
-            attend(qkv.data() + t * QKV, kc + at, vc + at, limit[0], kh * G, G, hd, att.data() + t * H * hd,
+            attend(qkv.data() + t * QKV, kc + at, vc + at, limit[0], hides[0], kh * G, G, hd, att.data() + t * H * hd,
                    scratch.data() + omp_get_thread_num() * 4 * keys);
           else
             tile_attention::attend((const bf16*)qkv.data() + t * QKV, QKV, (const bf16*)kc + at, (const bf16*)vc + at,
-                                   limit, tokens, G, kh * G, hd, (bf16*)att.data() + t * H * hd, H * hd);
+                                   limit, hides, tokens, G, kh * G, hd, (bf16*)att.data() + t * H * hd, H * hd);
         }
         _tile_release();
       } else
@@ -279,8 +290,8 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n * KVH; i++) {
           const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
-          attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, kh * G, G, hd, att.data() + t * H * hd,
-                 scratch.data() + omp_get_thread_num() * 4 * keys);
+          attend(qkv.data() + t * QKV, kc + at, vc + at, visible[t] + 1, hidden ? hidden[t] : 0, kh * G, G, hd,
+                 att.data() + t * H * hd, scratch.data() + omp_get_thread_num() * 4 * keys);
         }
       }
     }
@@ -298,13 +309,13 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
 
 extern "C" {
 void fused_layers_bf16(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
-                       bf16* kc, bf16* vc, int64_t slots, int64_t capacity, bf16* x, const bf16* cos, const bf16* sin,
+                       const int64_t* hidden, bf16* kc, bf16* vc, int64_t slots, int64_t capacity, bf16* x, const bf16* cos, const bf16* sin,
                        bf16* features, const int64_t* capture, int64_t width, int threads) {
-  forward(*m, n, slot, pos, visible, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
 }
 void fused_layers_f32(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
-                      float* kc, float* vc, int64_t slots, int64_t capacity, float* x, const float* cos,
+                      const int64_t* hidden, float* kc, float* vc, int64_t slots, int64_t capacity, float* x, const float* cos,
                       const float* sin, float* features, const int64_t* capture, int64_t width, int threads) {
-  forward(*m, n, slot, pos, visible, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
 }
 }

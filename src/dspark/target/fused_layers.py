@@ -155,7 +155,7 @@ def capture_slots(model) -> torch.Tensor:
 def entry(lib: ctypes.CDLL, dtype: torch.dtype):
     """fused_layers.cpp's forward for `dtype` in the library, with its argument types."""
     function = getattr(lib, FUNCTIONS[dtype])
-    function.argtypes = ([ctypes.POINTER(ModelWeights), ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
+    function.argtypes = ([ctypes.POINTER(ModelWeights), ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
                          + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int])
     function.restype = None
     return function
@@ -176,7 +176,8 @@ def fused_forward(model, weights: ModelWeights, x: torch.Tensor, cos: torch.Tens
     slots, positions, visible = (t.to(torch.long).contiguous() for t in (batch.slots, batch.positions, visible))
     cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
     forward = entry(kernel(), x.dtype)
-    forward(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), cache.k.data_ptr(),
-            cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            pointer(features), capture.data_ptr(), width, torch.get_num_threads())
+    hidden = None if batch.hidden is None else batch.hidden.to(torch.long).contiguous()
+    forward(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), pointer(hidden),
+            cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), pointer(features), capture.data_ptr(), width, torch.get_num_threads())
     return features

@@ -70,6 +70,13 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    def keep(self, slot: int, start: int, rows: list[int]):
+        """Move positions start + rows[j] of `slot` to start + j (rows increasing: the walk a draft tree's
+        verification accepted, draft/tree.py)."""
+        src, dst = torch.tensor(rows) + start, torch.arange(len(rows)) + start
+        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
+        self.v[:, slot, :, dst] = self.v[:, slot, :, src]
+
     def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor):
         """Store the batch's new keys/values ([T, KVH, hd]) and return the batch's [R, KVH, L, hd] views."""
         self.store(layer, batch.slots, batch.positions, k, v)

@@ -27,7 +27,10 @@ class FlatBatch:
 
     The requests occupy the contiguous cache slots slot_start .. slot_start + R - 1, in order. A query
     reads the keys at positions <= visible (default: its own position, i.e. causal attention; a drafter
-    block sets it to the block's last position, so attention inside the block is bidirectional).
+    block sets it to the block's last position, so attention inside the block is bidirectional), but those
+    `hidden` hides: bit j (1..62) of hidden[t] hides the key at visible[t] - j. A draft tree verifies its nodes
+    (in an order where parents come first) at positions num_cached + 1, 2, ...: each node hides the nodes before it
+    that are not its ancestors, and its rotary position (`rotary_positions`) is num_cached + its depth.
     """
 
     tokens: torch.Tensor  # [T] long
@@ -36,6 +39,8 @@ class FlatBatch:
     slot_start: int = 0
     visible: torch.Tensor | None = None  # [T] long
     prefill: bool = False  # see `prefill_attention` and upcast.py
+    hidden: torch.Tensor | None = None  # [T] int64 bit masks (see above); None: none hidden
+    rotary_positions: torch.Tensor | None = None  # [T] long; None: the positions
 
     def __post_init__(self):
         lens = torch.tensor(self.query_lens, dtype=torch.long)
@@ -54,6 +59,13 @@ class FlatBatch:
         padded_vis = torch.where(self.query_valid, visible[self.padded_index], 0)
         # mask[r, 0, i, j]: query i of request r may read key position j
         self.attn_mask = torch.arange(self.key_len)[None, None, None, :] <= padded_vis[:, None, :, None]
+        if self.hidden is not None:
+            if bool((self.hidden < 0).any()) or bool((self.hidden & 1).any()):
+                raise ValueError("hidden: bits 1..62 only (a token never hides itself)")
+            back = padded_vis[:, :, None] - torch.arange(self.key_len)[None, None, :]  # [R, Q, L]: visible - key
+            bits = torch.where(self.query_valid, self.hidden[self.padded_index], 0)
+            hides = (back >= 1) & (back <= 62) & ((bits[:, :, None] >> back.clamp(0, 62)) & 1).bool()
+            self.attn_mask &= ~hides[:, None]
         self.sparse_mask = None if bool(self.attn_mask.all()) else self.attn_mask
 
     @property
@@ -271,7 +283,7 @@ class TargetModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         x = self.embed_tokens(batch.tokens)
-        cos, sin = self.rotary(batch.positions, x.dtype)
+        cos, sin = self.rotary(batch.positions if batch.rotary_positions is None else batch.rotary_positions, x.dtype)
         if (weights := fused_weights(self, batch)) is not None:  # decode and verify: the layers in one call
             features = fused_forward(self, weights, x, cos, sin, batch, cache)
             return TargetOutput(self.norm(x), features)

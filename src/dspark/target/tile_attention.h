@@ -100,10 +100,11 @@ static inline const bf16* padded(const bf16* src, int64_t from, int64_t to, int6
 }
 
 // The G query heads g0 .. g0 + G - 1 of `tokens` tokens (token i's at q + i * qstride + g0 * hd, G * tokens <= 16)
-// over the keys and values of their KV head; token i sees keys 0 .. limit[i] - 1. Row r = (token r / G, head
+// over the keys and values of their KV head; token i sees keys 0 .. limit[i] - 1 but those hidden[i] hides
+// (fused_layers.cpp's hide_keys). Row r = (token r / G, head
 // g0 + r % G) goes to out + (r / G) * ostride + (g0 + r % G) * hd.
 static void attend(const bf16* q, int64_t qstride, const bf16* keys, const bf16* values, const int64_t* limit,
-                   int64_t tokens, int64_t G, int64_t g0, int64_t hd, bf16* out, int64_t ostride) {
+                   const uint64_t* hidden, int64_t tokens, int64_t G, int64_t g0, int64_t hd, bf16* out, int64_t ostride) {
   const int64_t nr = tokens * G;
   int64_t L = 0;
   for (int64_t i = 0; i < tokens; i++) L = limit[i] > L ? limit[i] : L;
@@ -145,6 +146,7 @@ static void attend(const bf16* q, int64_t qstride, const bf16* keys, const bf16*
     float* s = S + r * L16;
     const int64_t seen = limit[r / G];
     for (int64_t j = seen; j < L16; j++) s[j] = -INFINITY;  // e^-inf: 0
+    hide_keys(s, seen, hidden[r / G]);
     vec top = vset(-INFINITY);
     for (int64_t j = 0; j < L16; j += LANES) top = vmax(top, vmul(vload(s + j), scale));
     float lanes[LANES], most = -INFINITY;
