@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
+from ..draft.base import Proposal
 from ..engine.llm_engine import LLMEngine
 from ..target.loading import cache_root
 from ..target.skinny import kernel_name
@@ -112,7 +113,7 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
     R = len(reqs)
     G = max(int(lengths.max()), 0)
     drafts = torch.randint(100, engine.target.config.vocab_size, (R, G))
-    batch = engine._verify_batch(reqs, drafts, lengths)
+    batch = engine._verify_batch(reqs, Proposal(drafts, None, lengths), lengths)
     out = engine.target(batch, engine.cache)
     p = warp(engine.target.logits(out.hidden), *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
     u = torch.rand(R, G + 1)
