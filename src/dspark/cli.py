@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "(config.json + model.safetensors, the released layout), or lookup+default / lookup+FOLDER "
                         "(lookups where they find a draft: prompt lookup of a long repeat, up to 2γ drafts, and of 3- "
                         "and 2-grams, the folder's datastore of the target's answers, prompt lookup of 1-grams; that "
-                        "drafter elsewhere, fixed γ: on the bundled target the fastest single stream measured, 1.97x "
-                        "plain decoding against prompt-lookup's 1.60x; benchmarks/results/drafters.md) "
+                        "drafter elsewhere, fixed γ; greedy steps verify every source's draft as one tree: on the bundled "
+                        "target the fastest single stream measured, 1.97x plain decoding against prompt-lookup's 1.60x "
+                        "before trees, benchmarks/results/drafters.md) "
                         "(default: %(default)s)")
     g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step: auto (async where the drafter gives "
