@@ -242,12 +242,16 @@ static void block_two(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int
 // Weight rows n .. end - 1 (a multiple of 16, at most amx_block_rows(M)) against all M rows of x.
 static void block_amx(const bf16* x, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N, int64_t K,
                       int64_t n, int64_t end) {
-  switch ((end - n) / 16 + (M > 16 ? 10 : 0)) {
-    case 1: block_one<1>(x, wt, b, y, M, N, K, n); break;
-    case 2: block_one<2>(x, wt, b, y, M, N, K, n); break;
-    case 3: block_one<3>(x, wt, b, y, M, N, K, n); break;
-    case 11: block_two<1>(x, wt, b, y, M, N, K, n); break;
-    case 12: block_two<2>(x, wt, b, y, M, N, K, n); break;
+  const int64_t G = (end - n) / 16;  // weight tiles
+  if (M > 16) {
+    if (G == 1) block_two<1>(x, wt, b, y, M, N, K, n);
+    else block_two<2>(x, wt, b, y, M, N, K, n);
+  } else if (G == 1) {
+    block_one<1>(x, wt, b, y, M, N, K, n);
+  } else if (G == 2) {
+    block_one<2>(x, wt, b, y, M, N, K, n);
+  } else {
+    block_one<3>(x, wt, b, y, M, N, K, n);
   }
 }
 #endif
