@@ -15,8 +15,9 @@ conditional acceptance, and single-request speed against plain decoding (and lla
     lookup (`--drafter prompt-lookup`, no trained drafter), lookups first and DSpark where none finds a draft
     ("lookup+dspark": what `dspark generate` runs by default, one stream: prompt lookup of a long repeat, up to 2γ
     drafts, of 3- and 2-grams, the drafter folder's datastore of the target's answers, prompt lookup of 1-grams),
-    llama.cpp.
-    Headline: dspark_vs_plain_bs1 is that default's speed-up; dspark_fixed_vs_plain_bs1 DSpark alone at fixed γ.
+    llama.cpp; tokens/s over all the prompts and per set.
+    Headline: dspark_vs_plain_bs1 is that default's speed-up (dspark_vs_plain_bs1_SET per set);
+    dspark_fixed_vs_plain_bs1 DSpark alone at fixed γ.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from dspark.schedule import FixedLength  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
 FULL = {"sets": "gsm8k,math500,humaneval,mbpp,mt-bench", "prompts": 50, "max_new_tokens": 256, "temperatures": "0,1",
-        "speed_sets": "gsm8k,humaneval", "speed_prompts": 8, "batch": 50}
+        "speed_sets": "gsm8k,humaneval", "speed_prompts": 25, "batch": 50}
 QUICK = {"sets": "gsm8k,mt-bench", "prompts": 2, "max_new_tokens": 12, "temperatures": "0,1",
          "speed_sets": "gsm8k", "speed_prompts": 1, "batch": 4}
 
@@ -150,34 +151,49 @@ def speed_rows(llms: dict[str, LLM], plain: LLM, args, log, partial: Partial) ->
     if done := partial.group("system", names, section="speed"):
         log(f"speed: {len(done)} systems from {partial.path.name}")
         return done
-    texts = [t[0] for s in args.speed_sets.split(",") for t in eval_rows(args.data_dir, s, args.speed_prompts)]
-    prompts = [plain.chat_prompt(t) for t in texts]
+    sets = args.speed_sets.split(",")
+    prompts = {s: [[plain.chat_prompt(t[0])] for t in eval_rows(args.data_dir, s, args.speed_prompts)] for s in sets}
     peers = [DsparkPeer(llm, name, stop_at_eos) for name, llm in {"plain": plain, **llms}.items()]
     if with_llama_cpp:
         peers.append(LlamaCppPeer(bundled_gguf(), args.threads, n_ctx=4096, stop_at_eos=stop_at_eos))
     for peer in peers:  # warm-up
-        peer.generate([prompts[0]], 8)
+        peer.generate(prompts[sets[0]][0], 8)
     for peer in peers:
         if isinstance(peer, DsparkPeer):
             peer.llm.engine.config.max_num_seqs = 1
             peer.history.clear()
-    result = run_interleaved(peers, [[p] for p in prompts], args.max_new_tokens, rotation=0)
+    by_set, rotation = {}, 0
+    for s in sets:  # one interleaved run over all the prompts, timed per set
+        starts = {peer.name: len(getattr(peer, "history", [])) for peer in peers}
+        timed = run_interleaved(peers, prompts[s], args.max_new_tokens, rotation=rotation)
+        rotation += len(prompts[s])
+        by_set[s] = {peer.name: speed_figures(*timed[peer.name], getattr(peer, "history", [])[starts[peer.name]:])
+                     for peer in peers}
     rows = []
     for peer in peers:
-        outs, seconds = result[peer.name]
-        tokens = sum(len(o) for o in outs)
-        row = {"section": "speed", "system": peer.name, "requests": len(outs), "new_tokens": tokens / len(outs),
-               "seconds": seconds, "tokens_per_s": tokens / seconds}
-        if isinstance(peer, DsparkPeer):
-            hist = peer.history
-            row["tau"] = sum(len(o.token_ids) - 1 for o in hist) / max(sum(o.steps for o in hist), 1)
+        row = {"section": "speed", "system": peer.name}
+        row |= speed_figures(sum((by_set[s][peer.name]["outs"] for s in sets), []),
+                             sum(by_set[s][peer.name]["seconds"] for s in sets), getattr(peer, "history", []))
+        for s in sets:
+            row |= {f"{s}_{k}": v for k, v in by_set[s][peer.name].items() if k in ("tokens_per_s", "tau")}
+        del row["outs"]
         rows.append(row)
         log(f"speed {peer.name}: {row['tokens_per_s']:.1f} tok/s")
-    plain_rate = rows[0]["tokens_per_s"]
     for row in rows:
-        row["vs_plain"] = row["tokens_per_s"] / plain_rate
+        for key in ("", *(f"{s}_" for s in sets)):
+            row[key + "vs_plain"] = row[key + "tokens_per_s"] / rows[0][key + "tokens_per_s"]
         partial.add(row)
     return rows
+
+
+def speed_figures(outs: list[list[int]], seconds: float, history: list) -> dict:
+    """Requests, mean new tokens, seconds, tokens/s, and τ where the peer keeps its RequestOutputs."""
+    tokens = sum(len(o) for o in outs)
+    figures = {"outs": outs, "requests": len(outs), "new_tokens": tokens / len(outs), "seconds": seconds,
+               "tokens_per_s": tokens / seconds}
+    if history:
+        figures["tau"] = sum(len(o.token_ids) - 1 for o in history) / max(sum(o.steps for o in history), 1)
+    return figures
 
 
 def macro_tau(rows, drafter: str, temperature: float) -> float | None:
@@ -197,6 +213,8 @@ def headline(rows: list[dict]) -> dict:
     speed = {r["system"]: r for r in rows if r["section"] == "speed"}
     if "lookup+dspark" in speed:  # the default of `dspark generate`
         h["dspark_vs_plain_bs1"] = speed["lookup+dspark"]["vs_plain"]
+        h |= {f"dspark_vs_plain_bs1_{key.removesuffix('_vs_plain')}": value  # per speed set
+              for key, value in speed["lookup+dspark"].items() if key.endswith("_vs_plain")}
         if "llama.cpp" in speed:
             h["dspark_vs_llamacpp_bs1"] = speed["lookup+dspark"]["tokens_per_s"] / speed["llama.cpp"]["tokens_per_s"]
     others = (("dspark", "dspark_fixed"), ("dspark-async", "dspark_async"), ("prompt-lookup", "prompt_lookup"))
@@ -263,10 +281,20 @@ def markdown(result: dict) -> str:
         " 2-grams, the datastore of the target's answers, prompt lookup of 1-grams), DSpark where none finds a draft"
         " (the default of `dspark generate`).\n",
         markdown_table(speed, ["system", "requests", "new_tokens", "tokens_per_s", "vs_plain", "tau"]),
+        "\nThe same run by prompt set:\n",
+        markdown_table(speed_by_set(speed, result["settings"]["speed_sets"].split(",")),
+                       ["system", "set", "tokens_per_s", "vs_plain", "tau"]),
         "\n## Headline\n",
         markdown_table([{"figure": k, "value": v} for k, v in result["headline"].items()], ["figure", "value"]),
         "\n![position-wise acceptance](drafters_positions.png)",
     ])
+
+
+def speed_by_set(speed: list[dict], sets: list[str]) -> list[dict]:
+    """The speed rows split per prompt set (rows written before the split have none)."""
+    figures = ("tokens_per_s", "vs_plain", "tau")
+    return [{"system": r["system"], "set": s, **{k: r.get(f"{s}_{k}") for k in figures}}
+            for r in speed for s in sets if f"{s}_vs_plain" in r]
 
 
 def drafter_llms(plain: LLM, folders: dict[str, str]) -> dict[str, LLM]:
