@@ -2,8 +2,8 @@
 hidden states, captured features and KV cache writes within rounding (float32 and bf16; Llama, Qwen3 with its q/k
 norms, Qwen2 with its q/k/v biases; ragged batches, more than 16 tokens, and a block that reads ahead), on this
 CPU's instructions and on AVX2's; attention on AMX's tiles errs as the vector loops do; a request's results do not
-depend on the requests beside it; prefills, forwards
-of more than MAX_TOKENS, DSPARK_FUSED=0 and models it cannot run keep the loop."""
+depend on the requests beside it; prefills (except bf16 ones on AMX's tiles, which run each request alone in chunks),
+forwards of more than MAX_TOKENS, DSPARK_FUSED=0 and models it cannot run keep the loop."""
 import copy
 
 import pytest
@@ -59,6 +59,13 @@ def run(model: TargetModel, steps: list[tuple[list[int], bool]]):
         outs.append((out.hidden, out.features))
         lengths = [n + q for n, q in zip(lengths, query_lens)]
     return outs, (cache.k, cache.v)
+
+
+@pytest.fixture(autouse=True)
+def prefills_in_the_loop(monkeypatch):
+    """Prefills stay in model.py's loop here (bf16 ones on AMX would run fused): the decode and verify forwards
+    compared and counted are the only fused ones. The prefill tests at the end switch it as they need."""
+    monkeypatch.setattr(model_module, "fuses_prefill", lambda model: False)
 
 
 @pytest.fixture
@@ -141,3 +148,61 @@ def test_prefills_unfusable_models_and_the_switch_keep_the_loop(fused_calls, mon
     monkeypatch.setenv("DSPARK_FUSED", "0")
     run(random_target("llama", torch.float32), STEPS[:1])
     assert not fused_calls
+
+
+def prefill(model: TargetModel, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each prompt's hidden states after one prefill of them all (a fresh cache)."""
+    c = model.config
+    cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, model.layers[0].self_attn.head_dim, model.dtype, 512,
+                    len(prompts), 64)
+    cache.reserve(len(prompts), max(len(p) for p in prompts))
+    lens = [len(p) for p in prompts]
+    batch = FlatBatch(torch.cat(prompts), torch.cat([torch.arange(n) for n in lens]), lens, prefill=True)
+    return list(model(batch, cache).hidden.split(lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_prefills_run_each_request_alone_in_chunks(dtype, fused_calls, monkeypatch):
+    """Where fuses_prefill (bf16 on AMX; forced here), a prefill runs request by request in chunks of at most
+    MAX_TOKENS, the later chunks reading the earlier ones from the cache: the loop's results within rounding, and a
+    prompt's rows the same whatever is admitted beside it (33 rows: a lone last row of a 32-row product)."""
+    model = random_target("llama", dtype)
+    g = torch.Generator().manual_seed(2)
+    long, short, other = (torch.randint(3, 512, (n,), generator=g) for n in (MAX_TOKENS + 20, 33, 5))
+    loop = prefill(model, [long, short])
+    assert not fused_calls
+    monkeypatch.setattr(model_module, "fuses_prefill", lambda model: True)
+    fused = prefill(model, [long, short])
+    assert len(fused_calls) == 3  # the long prompt in two chunks, the short one in one
+    scale = max(x.float().abs().max() for x in loop)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    assert all((a.float() - b.float()).abs().max() < tolerance * scale for a, b in zip(fused, loop))
+    assert torch.equal(prefill(model, [short])[0], fused[1]) and torch.equal(prefill(model, [other, short])[1], fused[1])
+
+
+def test_prefills_fuse_only_bf16_targets_on_the_tiles(monkeypatch):
+    from dspark.target import skinny, upcast
+
+    bf16 = random_target("llama", torch.bfloat16)
+    assert fused_layers.fuses_prefill(bf16) == (kernel_built() and skinny.runs_tiles() and not upcast.UPCAST_HELPS)
+    assert not fused_layers.fuses_prefill(random_target("llama", torch.float32))
+    monkeypatch.setattr(upcast, "UPCAST_HELPS", True)  # a CPU without a bf16 unit: the float32 path is faster
+    assert not fused_layers.fuses_prefill(bf16)
+    monkeypatch.setattr(upcast, "UPCAST_HELPS", False)
+    monkeypatch.setenv("DSPARK_FUSED", "0")
+    assert not fused_layers.fuses_prefill(bf16)
+
+
+def kernel_built() -> bool:
+    return fused_layers.kernel() is not None
+
+
+@needs_tiles
+def test_a_bundled_prefill_on_the_tiles_does_not_depend_on_what_is_admitted_with_it(llm_bf16, chat_prompts,
+                                                                                    fused_calls, monkeypatch):
+    target = llm_bf16.engine.target
+    monkeypatch.setattr(model_module, "fuses_prefill", fused_layers.fuses_prefill)
+    assert fused_layers.fuses_prefill(target)
+    first, second = (torch.tensor(llm_bf16.chat_prompt(p)) for p in chat_prompts[:2])
+    short, other = first[:33], second[:5]  # 33 rows alone: 32 on the tiles, one on the one-row kernel
+    assert torch.equal(prefill(target, [short])[0], prefill(target, [other, short])[1]) and len(fused_calls) == 3

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import KVCache
-from .fused_layers import fused_forward, fused_weights
+from .fused_layers import MAX_TOKENS, fused_forward, fused_weights, fuses_prefill
 from .groups import Groups
 from .onednn import linear
 from .skinny import skinny_linear, tiles
@@ -282,6 +282,8 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
+        if batch.prefill and fuses_prefill(self):
+            return self.prefill_in_chunks(batch, cache)
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions if batch.rotary_positions is None else batch.rotary_positions, x.dtype)
         if (weights := fused_weights(self, batch)) is not None:  # decode and verify: the layers in one call
@@ -295,6 +297,18 @@ class TargetModel(nn.Module):
                 captured.append(x)
         features = torch.cat(captured, dim=-1) if captured else None
         return TargetOutput(self.norm(x), features)
+
+    def prefill_in_chunks(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
+        """A prefill through fused_layers.cpp (`fuses_prefill`): each request alone, in chunks of at most MAX_TOKENS
+        that read the earlier chunks from the cache, so a prompt's rows depend on the prompt alone."""
+        outs = []
+        for r, n in enumerate(batch.query_lens):
+            first = int(batch.starts[r])
+            for a in range(first, first + n, MAX_TOKENS):
+                b = min(first + n, a + MAX_TOKENS)
+                outs.append(self(FlatBatch(batch.tokens[a:b], batch.positions[a:b], [b - a], batch.slot_start + r), cache))
+        features = None if outs[0].features is None else torch.cat([o.features for o in outs])
+        return TargetOutput(torch.cat([o.hidden for o in outs]), features)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
