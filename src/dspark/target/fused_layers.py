@@ -12,8 +12,8 @@ It takes decode and verify forwards of at most MAX_TOKENS tokens of models whose
 (not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built; DSPARK_FUSED=0 turns it off.
 Prefills come here only where `fuses_prefill` says so (bf16 targets on AMX's tiles), request by request in chunks of
 at most MAX_TOKENS: 8 humaneval prompts of ~160 tokens prefilled in 0.55-0.72 s instead of 1.05-1.10 s in the loop
-with oneDNN's products (ad hoc, SmolLM2-135M, 2-core AMX Xeon). Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
-depend on its own row alone, as with skinny.cpp's products. A DSpark or DFlash drafter's backbone runs here too
+with oneDNN's products (ad hoc, SmolLM2-135M, 2-core AMX Xeon; no committed benchmark times prefill yet). Results
+equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results depend on its own row alone, as with skinny.cpp's products. A DSpark or DFlash drafter's backbone runs here too
 (draft/dspark.py): its layers have the same shape, with separate q, k, v and gate, up weights, which are joined into
 copies once (`joined`); on the bundled drafter that took a propose from 4.9 to 4.0 ms (ad hoc medians).
 """
@@ -136,10 +136,14 @@ def model_weights(model) -> ModelWeights | None:
 def fused_weights(model, batch) -> ModelWeights | None:
     """The model's weight table where this forward runs through fused_layers.cpp (not a prefill, at most MAX_TOKENS
     tokens, skinny.cpp built, the model fusable, DSPARK_FUSED not 0), else None."""
-    if (batch.prefill or len(batch.tokens) > MAX_TOKENS or os.environ.get("DSPARK_FUSED", "1") == "0"
-            or kernel() is None):
+    if batch.prefill or len(batch.tokens) > MAX_TOKENS or not switched_on():
         return None
     return model_weights(model)
+
+
+def switched_on() -> bool:
+    """skinny.cpp built and DSPARK_FUSED not 0."""
+    return os.environ.get("DSPARK_FUSED", "1") != "0" and kernel() is not None
 
 
 def fuses_prefill(model) -> bool:
@@ -147,8 +151,8 @@ def fuses_prefill(model) -> bool:
     the float32 path (upcast.py) does not help, the model fusable and DSPARK_FUSED not 0. Each request runs alone,
     so its rows do not depend on what was admitted with it (a forward of 33 rows rounds its last row on the one-row
     kernel, ad hoc: batches of requests would break that)."""
-    return (model.dtype == torch.bfloat16 and not upcast.UPCAST_HELPS and runs_tiles()
-            and os.environ.get("DSPARK_FUSED", "1") != "0" and kernel() is not None and model_weights(model) is not None)
+    return (model.dtype == torch.bfloat16 and not upcast.UPCAST_HELPS and runs_tiles() and switched_on()
+            and model_weights(model) is not None)
 
 
 def capture_slots(model) -> torch.Tensor:
