@@ -101,13 +101,17 @@ def test_chain_takes_the_first_source_that_finds_a_draft():
 
 def test_prompt_lookup_equals_a_slice_by_slice_search():
     """prompt_lookup.py searches the context's bytes (4 per token): the same drafts as comparing list slices,
-    whatever the tokens' bytes (ids past 2^16 too), the n-gram range and gamma."""
+    whatever the tokens' bytes (ids past 2^16 too), the n-gram range and gamma; a match near the context's end is
+    continued as a copy that reads its own output (the text repeating with its period)."""
 
     def slices(pl, context):
         for n in range(min(pl.max_ngram, len(context) - 1), pl.min_ngram - 1, -1):
             for start in range(len(context) - n - 1, -1, -1):
                 if context[start:start + n] == context[-n:]:
-                    return context[start + n:start + n + pl.gamma]
+                    text = list(context)
+                    for i in range(pl.gamma):  # copy token by token, past the context into the copy itself
+                        text.append(text[start + n + i])
+                    return text[len(context):]
         return []
 
     rng = random.Random(0)
@@ -117,3 +121,14 @@ def test_prompt_lookup_equals_a_slice_by_slice_search():
         vocab = rng.choice([2, 3, 300, 70_000, 2**24 + 3])
         context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
         assert pl.lookup(context) == slices(pl, context), (context, pl.__dict__)
+
+
+def test_prompt_lookup_continues_a_loop():
+    """A context looping on one token or a few: the latest match of its tail ends one period before the end, and
+    the draft repeats the loop gamma times (not just the period's tokens that follow the match)."""
+    pl = PromptLookupDrafter(6, max_ngram=3)
+    assert pl.lookup([5, 9, 9, 9, 9]) == [9] * 6
+    assert pl.lookup([5, 1, 2, 3, 1, 2, 3, 1, 2]) == [3, 1, 2, 3, 1, 2]
+    assert pl.lookup([1, 2, 3, 4, 1, 2]) == [3, 4, 1, 2, 3, 4]  # "1 2" seen once, then "3 4": the same rule
+    assert pl.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 1]) == [2, 3, 4, 5, 6, 7]  # room enough: a plain copy
+    assert PromptLookupDrafter(14, max_ngram=12, min_ngram=10).lookup([7] * 12) == [7] * 14

@@ -146,8 +146,8 @@ def test_lookup_trees_decode_as_plain_greedy(make_llm, greedy, chat_ids, solo_gr
 
 
 def test_trees_only_for_greedy_steps():
-    drafter = LookupFirstDrafter(PromptLookupDrafter(4), [PromptLookupDrafter(8, 3, 2), PromptLookupDrafter(4, 1, 1)])
-    ids = [7, 1, 2, 3, 9, 2, 5, 1, 2]  # "1 2" came before 3 9 2 5 1 2; "2" last came before 5 1 2
+    drafter = LookupFirstDrafter(PromptLookupDrafter(8), [PromptLookupDrafter(6, 3, 2), PromptLookupDrafter(4, 1, 1)])
+    ids = [7, 1, 2, 3, 9, 2, 5, 1, 2]  # "1 2" came before 3 9 2 5 1 2; "2" last came before 5 1 2 (5 1 2 5 ...)
     greedy = drafter.propose([Request(ids, SamplingParams(temperature=0))])
     assert greedy.tokens[0].tolist() == [3, 9, 2, 5, 1, 2, 5, 1] and greedy.lengths.tolist() == [8]  # 8 nodes at most
     assert greedy.parents[0].tolist() == [-1, 0, 1, 2, 3, 4, -1, 6]

@@ -27,13 +27,25 @@ class PromptLookupDrafter(Drafter):
             tail, end = data[-4 * n:], 4 * (n_ctx - 1)  # a match ends before the context's last token
             while (at := data.rfind(tail, 0, end)) >= 0:
                 if at % 4 == 0:  # whole tokens, not bytes across two
-                    start = at // 4 + n
-                    return context[start:start + self.gamma]
+                    return continuation(context, at // 4 + n, self.gamma)
                 end = at + 4 * n - 1
         return []
 
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
         return point_masses([self.lookup(req.all_token_ids) for req in requests], self.gamma)
+
+
+def continuation(context: list[int], start: int, gamma: int) -> list[int]:
+    """The gamma tokens from context[start] on, where the text from start to the end repeats: a match that ends
+    fewer than gamma tokens before the context's end has only those tokens after it, and if the text goes on as it
+    did after the match (the last n-gram again followed by what followed it), it repeats them with period
+    len(context) - start. So the draft continues its own first tokens with that period: in a loop of one token
+    ("()()()..."), a 1-token continuation becomes gamma copies."""
+    draft = context[start:start + gamma]
+    period = len(context) - start
+    while len(draft) < gamma:
+        draft.append(draft[len(draft) - period])
+    return draft
 
 
 def point_masses(drafts: list[list[int]], width: int) -> Proposal:
