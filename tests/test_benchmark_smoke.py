@@ -1,6 +1,7 @@
-"""The engine-speed benchmark still runs end to end (tiny settings) and writes the result files it promises."""
+"""The benchmark scripts still run end to end (tiny settings) and write the result files they promise."""
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,26 @@ def test_dspark_peer_stops_at_eos_only_when_asked(base_llm_fp32):
         check_lengths("x", [full[:eos + 1]], 48)
     with pytest.raises(RuntimeError, match="instead of 4"):
         check_lengths("x", [full[:5]], 4, stop_at_eos=True)
+
+
+def test_prefill_quick_writes_result(tmp_path):
+    """benchmarks/prefill.py (time to first token, the default prefill against DSPARK_FUSED=0) end to end on the
+    bundled target, tiny settings; DSPARK_FUSED is as before afterwards."""
+    script = load_script(BENCHMARKS / "prefill.py")
+    out = tmp_path / "prefill"
+    threads, before = torch.get_num_threads(), os.environ.get("DSPARK_FUSED")
+    try:
+        assert script.main(["--quick", "--no-transformers", "--no-llama-cpp", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert os.environ.get("DSPARK_FUSED") == before
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["benchmark"] == "prefill" and result["settings"]["systems"] == ["dspark", "dspark, DSPARK_FUSED=0"]
+    groups = [r["group"] for r in result["rows"]]
+    assert groups == [g for g in ("gsm8k", "humaneval", "mt-bench", "long (2 joined)") for _ in range(2)]
+    mean = {r["group"]: r["prompt_tokens_mean"] for r in result["rows"]}
+    assert mean["long (2 joined)"] > max(mean["gsm8k"], mean["humaneval"])  # their first turns joined
+    for row in result["rows"]:
+        assert row["ttft_ms_median"] > 0 and row["prompt_tokens_per_s"] > 0 and row["over_dspark"] > 0
+    assert result["headline"]["ttft_loop_over_fused"] > 0
+    assert "ttft_loop_over_fused" in out.with_suffix(".md").read_text()
