@@ -9,6 +9,12 @@ checks that they are the same prompts.
     python drafters/training_answers.py pack --data train.jsonl                   # -> drafters/training_answers.npz
     python drafters/training_answers.py unpack --out train.jsonl [--data-dir ../shared/data]
     python drafters/training_answers.py datastore --out ../src/dspark/drafters/smollm2-135m-dspark/datastore.npz
+
+The bundled datastore also holds a second regeneration, of code prompts only (`dspark regenerate --mix code=1`),
+packed as code_answers.npz (`pack --mix code=1`; see README.md):
+
+    python drafters/training_answers.py datastore --answers drafters/training_answers.npz drafters/code_answers.npz \
+        --out src/dspark/drafters/smollm2-135m-dspark/datastore.npz
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ def prompt_hash(prompt_ids: list[int]) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(prompt_ids).encode()).digest()[:8], "little") >> 1
 
 
-def pack(data: Path, out: Path, num_prompts: int):
+def pack(data: Path, out: Path, num_prompts: int, mix: str | None = None):
     """Answers of a regenerated JSONL (file order kept: the trainer holds out the last records) into one .npz."""
     records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
     meta = json.loads(data.with_name(data.name + ".meta.json").read_text())
@@ -39,19 +45,20 @@ def pack(data: Path, out: Path, num_prompts: int):
         prompt_hash=np.array([prompt_hash(r["prompt_ids"]) for r in records], dtype=np.int64),
         lengths=np.array([len(a) for a in answers], dtype=np.int32),
         tokens=np.array([t for a in answers for t in a], dtype=np.uint16),
-        meta=np.array(json.dumps({**meta, "num_prompts": num_prompts})))
+        meta=np.array(json.dumps({**meta, "num_prompts": num_prompts, **({"mix": mix} if mix else {})})))
     print(f"{len(records)} answers ({sum(map(len, answers))} tokens) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
 def unpack(answers: Path, out: Path, data_dir: str | None):
     """The regenerated JSONL back: prompts redrawn with the packed seed, answers from the file."""
     from dspark import LLM
-    from dspark.train.prompts import build_prompts, load_pools
+    from dspark.train.prompts import build_prompts, load_pools, parse_mix
     from dspark.train.regenerate import record_line
 
     z = np.load(answers)
     meta = json.loads(str(z["meta"]))
-    prompts = {r["id"]: r for r in build_prompts(meta["num_prompts"], seed=meta["seed"], pools=load_pools(data_dir))}
+    prompts = {r["id"]: r for r in build_prompts(meta["num_prompts"], seed=meta["seed"], pools=load_pools(data_dir),
+                                                 mix=parse_mix(meta.get("mix")))}
     llm = LLM(max_num_seqs=1)
     ends = np.cumsum(z["lengths"])
     lines = []
@@ -68,15 +75,17 @@ def unpack(answers: Path, out: Path, data_dir: str | None):
         lines.append(record_line(prompts[rid], ids, done))
     out.write_text("".join(lines), encoding="utf-8")
     out.with_name(out.name + ".meta.json").write_text(
-        json.dumps({k: v for k, v in meta.items() if k != "num_prompts"}, indent=1) + "\n")
+        json.dumps({k: v for k, v in meta.items() if k not in ("num_prompts", "mix")}, indent=1) + "\n")
     print(f"{len(lines)} records -> {out}")
 
 
-def datastore(answers: Path, out: Path):
-    """The answers' tokens alone, for retrieval drafts (src/dspark/draft/datastore.py) beside a drafter."""
-    z = np.load(answers)
-    np.savez_compressed(out, tokens=z["tokens"], lengths=z["lengths"])
-    print(f"{len(z['lengths'])} answers ({len(z['tokens'])} tokens) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
+def datastore(answers: list[Path], out: Path):
+    """The answers' tokens alone, of every answers file in turn, for retrieval drafts (src/dspark/draft/datastore.py)
+    beside a drafter."""
+    files = [np.load(a) for a in answers]
+    tokens, lengths = (np.concatenate([z[k] for z in files]) for k in ("tokens", "lengths"))
+    np.savez_compressed(out, tokens=tokens, lengths=lengths)
+    print(f"{len(lengths)} answers ({len(tokens)} tokens) -> {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
 def main(argv=None) -> int:
@@ -86,6 +95,8 @@ def main(argv=None) -> int:
     a = sub.add_parser("pack", help="regenerated JSONL -> answers file")
     a.add_argument("--data", type=Path, required=True, help="regenerated JSONL (FILE.meta.json beside it)")
     a.add_argument("--num-prompts", type=int, required=True, help="--num-prompts of the dspark regenerate run")
+    a.add_argument("--mix", default=None, help="--mix of the dspark regenerate run, if it had one (unpack draws the "
+                   "same prompts with it)")
     a.add_argument("--out", type=Path, default=DEFAULT, help="answers file [%(default)s]")
     b = sub.add_parser("unpack", help="answers file -> regenerated JSONL")
     b.add_argument("--answers", type=Path, default=DEFAULT, help="answers file [%(default)s]")
@@ -93,11 +104,11 @@ def main(argv=None) -> int:
     b.add_argument("--data-dir", default=None, help="folder with gsm8k_train.jsonl and the eval sets "
                    "[$DSPARK_DATA, else ../shared/data]")
     c = sub.add_parser("datastore", help="answers file -> a drafter's datastore.npz (retrieval drafts)")
-    c.add_argument("--answers", type=Path, default=DEFAULT, help="answers file [%(default)s]")
+    c.add_argument("--answers", type=Path, nargs="+", default=[DEFAULT], help="answers files [%(default)s]")
     c.add_argument("--out", type=Path, required=True, help="datastore.npz to write (in a drafter folder)")
     args = p.parse_args(argv)
     if args.cmd == "pack":
-        pack(args.data, args.out, args.num_prompts)
+        pack(args.data, args.out, args.num_prompts, args.mix)
     elif args.cmd == "datastore":
         datastore(args.answers, args.out)
     else:

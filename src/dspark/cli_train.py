@@ -11,12 +11,12 @@ from .cli import add_engine_args, llm_from_args
 def cmd_regenerate(args) -> int:
     from collections import Counter
 
-    from .train.prompts import build_prompts, load_pools
+    from .train.prompts import build_prompts, load_pools, parse_mix
     from .train.regenerate import RegenSettings, regenerate
 
     pools = load_pools(args.data_dir)
     print(f"prompt pools: {pools.summary()}", file=sys.stderr)
-    records = build_prompts(args.num_prompts, seed=args.seed, pools=pools)
+    records = build_prompts(args.num_prompts, seed=args.seed, pools=pools, mix=parse_mix(args.mix))
     counts = Counter(r["domain"] for r in records)
     print(f"{len(records)} prompts (seed {args.seed}): {', '.join(f'{d} {n}' for d, n in counts.items())}",
           file=sys.stderr)
@@ -44,6 +44,9 @@ def add_regenerate_parser(sub):
                     "with other work, --threads 1 avoids the large slowdown of oversubscribed threads.")
     reg.add_argument("--out", required=True, help="output JSONL file (appended to; FILE.meta.json keeps the settings)")
     reg.add_argument("--num-prompts", type=int, default=1000, help="prompts to draw (default: %(default)s)")
+    reg.add_argument("--mix", default=None,
+                     help="domain weights of the draw, e.g. code=1 for code prompts only or chat=1,code=2 (default: "
+                          "the paper's chat 0.176, math 0.394, code 0.389, instruction 0.041)")
     reg.add_argument("--data-dir", default=None,
                      help="folder with gsm8k_train.jsonl and the eval_*.jsonl to exclude "
                           "(default: $DSPARK_DATA, else ../shared/data)")

@@ -193,6 +193,24 @@ def _load_pools(data_dir: str, sharegpt_path: str | None) -> PromptPools:
     return result
 
 
+def parse_mix(text: str | None) -> dict[str, float] | None:
+    """"code=1" or "chat=0.2,math=0.4,..." -> {domain: weight} (None or "": the paper's MIX)."""
+    if not text:
+        return None
+    mix = {}
+    for part in text.split(","):
+        domain, _, weight = (x.strip() for x in part.partition("="))
+        if domain not in MIX:
+            raise ValueError(f"unknown domain {domain!r} in the mix {text!r}: the domains are {', '.join(MIX)}")
+        try:
+            mix[domain] = float(weight)
+        except ValueError:
+            raise ValueError(f"the mix wants domain=weight pairs, got {part!r}") from None
+    if min(mix.values()) < 0 or sum(mix.values()) <= 0:
+        raise ValueError(f"the mix {text!r} needs weights >= 0 with a positive sum")
+    return mix
+
+
 def quotas(n: int, mix: dict[str, float]) -> dict[str, int]:
     """Split n by the weights of mix: slot k goes to the domain furthest below its share of k (ties: mix
     order). Each share stays within one of n * weight, and grows with n, so a longer list extends a shorter one."""
