@@ -10,11 +10,12 @@ checks that they are the same prompts.
     python drafters/training_answers.py unpack --out train.jsonl [--data-dir ../shared/data]
     python drafters/training_answers.py datastore --out ../src/dspark/drafters/smollm2-135m-dspark/datastore.npz
 
-The bundled datastore also holds a second regeneration, of code prompts only (`dspark regenerate --mix code=1`),
-packed as code_answers.npz (`pack --mix code=1`; see README.md):
+The bundled datastore also holds two regenerations of code prompts only (`dspark regenerate --mix code=1
+--num-prompts 1254 --max-prompt-tokens 1024 --seed 1`, then `--seed 2`), packed as code_answers_seed1.npz and
+code_answers_seed2.npz (`pack --mix code=1 --num-prompts 1254`; see README.md):
 
-    python drafters/training_answers.py datastore --answers drafters/training_answers.npz drafters/code_answers.npz \
-        --out src/dspark/drafters/smollm2-135m-dspark/datastore.npz
+    python drafters/training_answers.py datastore --answers drafters/training_answers.npz \
+        drafters/code_answers_seed1.npz drafters/code_answers_seed2.npz --out src/dspark/drafters/smollm2-135m-dspark/datastore.npz
 """
 from __future__ import annotations
 
