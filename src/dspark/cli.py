@@ -29,8 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser):
                         "(lookups where they find a draft: prompt lookup of a long repeat, up to 2γ drafts, and of 3- "
                         "and 2-grams, the folder's datastore of the target's answers, prompt lookup of 1-grams; that "
                         "drafter elsewhere, fixed γ; greedy steps verify every source's draft as one tree: on the bundled "
-                        "target the fastest single stream measured, 2.05x plain decoding (gsm8k 2.25x, humaneval "
-                        "1.78x) against prompt-lookup's 1.71x, benchmarks/results/drafters.md) "
+                        "target the fastest single stream measured, 2.16x plain decoding (gsm8k 2.23x, humaneval "
+                        "2.06x) against prompt-lookup's 1.69x, benchmarks/results/drafters.md) "
                         "(default: %(default)s)")
     g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
                    help="how many drafts each request verifies per step: auto (async where the drafter gives "
