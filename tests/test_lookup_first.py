@@ -51,7 +51,7 @@ def request(ids: list[int]) -> Request:
 
 def test_a_step_mixes_lookup_and_drafter_rows():
     inner = DenseDrafter()
-    drafter = LookupFirstDrafter(inner)
+    drafter = LookupFirstDrafter(inner, [PromptLookupDrafter(3)])  # lookup drafts of 3, narrower than the drafter's G
     repeats, fresh = request([1, 2, 3, 1, 2]), request([1, 2, 3, 4, 5])  # "1 2" came before, followed by 3 1 2
     mixed = drafter.propose([repeats, fresh])
     assert inner.calls == 1 and mixed.confidence is None
@@ -60,7 +60,7 @@ def test_a_step_mixes_lookup_and_drafter_rows():
     assert torch.equal(mixed.q[0, :3], torch.nn.functional.one_hot(torch.tensor([3, 1, 2]), V).float())
     assert mixed.q[0, 3:].abs().sum() == 0 and torch.allclose(mixed.q[1].sum(-1), torch.ones(G))
     only_lookup = drafter.propose([repeats, request([5, 6, 5])])
-    assert inner.calls == 1 and only_lookup.q is None and only_lookup.lengths.tolist() == [3, 2]
+    assert inner.calls == 1 and only_lookup.q is None and only_lookup.lengths.tolist() == [3, 3]  # 6 5, then 6 again
 
 
 def test_a_long_repeat_drafts_more_and_widens_a_mixed_step():
