@@ -59,7 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_presets(p, FULL, QUICK)
     p.add_argument("--prompt-sets", default="gsm8k,humaneval,mt-bench", help="eval sets the prompts come from "
                    "(first user turn of eval_NAME.jsonl) [%(default)s]")
-    p.add_argument("--dtype", default="bf16", help="the target's dtype (the fused prefill runs bf16 on AMX) [%(default)s]")
+    p.add_argument("--dtype", default="bf16",
+                   help="the target's dtype (the fused prefill runs bf16 on AMX) [%(default)s]")
     p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads [%(default)s]")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even where installed")

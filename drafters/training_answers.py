@@ -15,7 +15,8 @@ The bundled datastore also holds two regenerations of code prompts only (`dspark
 code_answers_seed2.npz (`pack --mix code=1 --num-prompts 1254`; see README.md):
 
     python drafters/training_answers.py datastore --answers drafters/training_answers.npz \
-        drafters/code_answers_seed1.npz drafters/code_answers_seed2.npz --out src/dspark/drafters/smollm2-135m-dspark/datastore.npz
+        drafters/code_answers_seed1.npz drafters/code_answers_seed2.npz \
+        --out src/dspark/drafters/smollm2-135m-dspark/datastore.npz
 """
 from __future__ import annotations
 

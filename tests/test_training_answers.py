@@ -73,7 +73,8 @@ def test_a_mix_comes_back_and_datastores_join_files(tmp_path):
 
     ta.main(["pack", "--data", str(regenerated(tmp_path, llm, build_prompts(40, seed=3))), "--num-prompts", "40",
              "--out", str(tmp_path / "a.npz")])
-    ta.main(["datastore", "--answers", str(tmp_path / "a.npz"), str(tmp_path / "c.npz"), "--out", str(tmp_path / "ds.npz")])
+    ta.main(["datastore", "--answers", str(tmp_path / "a.npz"), str(tmp_path / "c.npz"),
+             "--out", str(tmp_path / "ds.npz")])
     a, c, ds = (np.load(tmp_path / f) for f in ("a.npz", "c.npz", "ds.npz"))
     assert ds["tokens"].tolist() == a["tokens"].tolist() + c["tokens"].tolist()
     assert ds["lengths"].tolist() == a["lengths"].tolist() + c["lengths"].tolist()

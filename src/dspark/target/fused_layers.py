@@ -11,9 +11,10 @@ of 75 interleaved timings, at 6499499) has the loop against it at 18.4 -> 9.62 m
 It takes decode and verify forwards of at most MAX_TOKENS tokens of models whose weights are dense bf16 or float32
 (not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built; DSPARK_FUSED=0 turns it off.
 Prefills come here only where `fuses_prefill` says so (bf16 targets on AMX's tiles), request by request in chunks of
-at most MAX_TOKENS: 8 humaneval prompts of ~160 tokens prefilled in 0.55-0.72 s instead of 1.05-1.10 s in the loop
-with oneDNN's products (ad hoc, SmolLM2-135M, 2-core AMX Xeon; no committed benchmark times prefill yet). Results
-equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results depend on its own row alone, as with skinny.cpp's products. A DSpark or DFlash drafter's backbone runs here too
+at most MAX_TOKENS: time to first token 1.82x faster than the loop with oneDNN's products, median over 36 prompts
+(benchmarks/results/prefill.md at db671d2, SmolLM2-135M, 2-core AMX Xeon; humaneval's ~160-token prompts 50.8 against
+81.9 ms). Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
+depend on its own row alone, as with skinny.cpp's products. A DSpark or DFlash drafter's backbone runs here too
 (draft/dspark.py): its layers have the same shape, with separate q, k, v and gate, up weights, which are joined into
 copies once (`joined`); on the bundled drafter that took a propose from 4.9 to 4.0 ms (ad hoc medians).
 """

@@ -306,7 +306,8 @@ class TargetModel(nn.Module):
             first = int(batch.starts[r])
             for a in range(first, first + n, MAX_TOKENS):
                 b = min(first + n, a + MAX_TOKENS)
-                outs.append(self(FlatBatch(batch.tokens[a:b], batch.positions[a:b], [b - a], batch.slot_start + r), cache))
+                chunk = FlatBatch(batch.tokens[a:b], batch.positions[a:b], [b - a], batch.slot_start + r)
+                outs.append(self(chunk, cache))
         features = None if outs[0].features is None else torch.cat([o.features for o in outs])
         return TargetOutput(torch.cat([o.hidden for o in outs]), features)
 
