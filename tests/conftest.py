@@ -6,6 +6,7 @@ own section below.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark import LLM, SamplingParams
+from dspark import LLM, SamplingParams, options
 
 torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", 2)))  # 1 beside another torch job
 
@@ -37,6 +38,14 @@ def first_turns(name: str, n: int) -> list[str]:
 def chat_prompts() -> list[str]:
     """Four real prompts of different kinds: math, code and chat."""
     return first_turns("gsm8k", 2) + first_turns("humaneval", 1) + first_turns("mt-bench", 1)
+
+
+@pytest.fixture
+def use_options():
+    """use_options(**changes): dspark.Options with these fields changed for the rest of the test."""
+    saved = options.current()
+    yield lambda **changes: options.use(dataclasses.replace(options.current(), **changes))
+    options.use(saved)
 
 
 # ---- targets and engines ------------------------------------------------------------------------

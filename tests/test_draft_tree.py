@@ -73,10 +73,10 @@ def tree_and_chains(model, tokens: list[int], parents: list[int]):
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])
-def test_a_tree_row_is_the_chain_of_its_ancestors(fused, monkeypatch):
+def test_a_tree_row_is_the_chain_of_its_ancestors(fused, monkeypatch, use_options):
     """float32, model.py's loop and fused_layers.cpp: within 1e-5 of the largest value (measured 4-5e-7; ignoring
     `hidden` in either, 0.98)."""
-    monkeypatch.setenv("DSPARK_FUSED", fused)
+    use_options(fused=fused == "1")
     calls = []
     real = fused_layers.fused_forward
     monkeypatch.setattr("dspark.target.model.fused_forward", lambda *a: calls.append(1) or real(*a))
@@ -87,10 +87,10 @@ def test_a_tree_row_is_the_chain_of_its_ancestors(fused, monkeypatch):
 
 
 @pytest.mark.parametrize("tiles", [pytest.param("1", marks=needs_tiles), "0"])
-def test_a_bf16_tree_row_errs_as_the_chain(tiles, monkeypatch):
+def test_a_bf16_tree_row_errs_as_the_chain(tiles, use_options):
     """bf16, fused (attention on AMX's tiles for runs of 2+ tokens where the CPU has them): against the float32
     chains, the tree rows' mean error is at most 1.2x the bf16 chains' (measured 0.99; ignoring `hidden`: 26x)."""
-    monkeypatch.setenv("DSPARK_TILES", tiles)
+    use_options(tiles=tiles == "1")
     tokens, parents = merge(CANDIDATES, 14)
     model = random_target("qwen3", torch.bfloat16)
     _, exact = tree_and_chains(copy.deepcopy(model).float(), tokens, parents)

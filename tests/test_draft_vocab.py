@@ -40,13 +40,13 @@ def test_most_frequent_ranks_by_count_then_id_and_keeps_the_end_ids():
             most_frequent(bad, size, 64)
 
 
-def test_draft_vocab_files_are_checked(tmp_path, monkeypatch):
+def test_draft_vocab_files_are_checked(tmp_path, monkeypatch, use_options):
     assert load_draft_vocab(tmp_path, VOCAB) is None  # no file: the whole vocabulary
     save_draft_vocab(tmp_path, [3, 8, 20], {"data": "x"})
     assert load_draft_vocab(tmp_path, VOCAB).tolist() == [3, 8, 20]
-    monkeypatch.setenv("DSPARK_DRAFT_VOCAB", "0")
+    use_options(draft_vocab=False)
     assert load_draft_vocab(tmp_path, VOCAB) is None
-    monkeypatch.delenv("DSPARK_DRAFT_VOCAB")
+    use_options(draft_vocab=True)
     for bad in ([8, 3], [3, 3], [3, VOCAB], []):
         save_draft_vocab(tmp_path, bad, {})
         with pytest.raises(ValueError, match="sorted, distinct"):

@@ -124,7 +124,7 @@ def test_base_logits_match_between_training_and_inference(tiny_target):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_backbone_drafts_as_the_layer_loop(tiny_target, dtype, monkeypatch):
+def test_fused_backbone_drafts_as_the_layer_loop(tiny_target, dtype, monkeypatch, use_options):
     """The backbone's layers in one fused_layers.cpp call (inference, dtype as the engine runs the drafter: bf16
     with the packed and joined weight copies on AMX CPUs) give the layer loop's q and confidences, within
     rounding, over two contexts committed in pieces."""
@@ -133,7 +133,7 @@ def test_fused_backbone_drafts_as_the_layer_loop(tiny_target, dtype, monkeypatch
     feats = target_features(tiny_target, seqs, model.target_layer_ids)
     proposals = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv("DSPARK_FUSED", fused)
+        use_options(fused=fused == "1")
         drafter = DSparkDrafter(model)
         reqs = [committed_request(drafter, i, feats.features[i, :a], seqs[i][a], SamplingParams(temperature=1.0, seed=i),
                                   chunks=2) for i, a in enumerate(anchors)]

@@ -3,7 +3,7 @@ hidden states, captured features and KV cache writes within rounding (float32 an
 norms, Qwen2 with its q/k/v biases; ragged batches, more than 16 tokens, and a block that reads ahead), on this
 CPU's instructions and on AVX2's; attention on AMX's tiles errs as the vector loops do; a request's results do not
 depend on the requests beside it; prefills (except bf16 ones on AMX's tiles, which run each request alone in chunks),
-forwards of more than MAX_TOKENS, DSPARK_FUSED=0 and models it cannot run keep the loop."""
+forwards of more than MAX_TOKENS, Options.fused=False and models it cannot run keep the loop."""
 import copy
 
 import pytest
@@ -87,17 +87,17 @@ STEPS = [([1, 5, 3], False), ([1, 1, 1], False), ([4, 2, 6], True), ([8, 7, 9], 
 @pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_forward_matches_the_layer_loop(family, dtype, march, fused_calls, monkeypatch):
+def test_fused_forward_matches_the_layer_loop(family, dtype, march, fused_calls, monkeypatch, use_options):
     """float32: equal within 1e-5 of the largest value. bf16: both round at every step, differently where model.py's
     batched attention rounds its scores and probabilities to bf16, so each is compared with the float32 loop over
     the same weights: the fused forward's mean error is at most 1.15x the loop's (measured: 0.88-1.04x)."""
     monkeypatch.setattr(fused_layers, "kernel", lambda: built(march))
     model = random_target(family, dtype)
-    monkeypatch.setenv("DSPARK_FUSED", "0")
+    use_options(fused=False)
     loop = tensors(*run(model, STEPS))
     exact = tensors(*run(copy.deepcopy(model).float(), STEPS))
     assert not fused_calls
-    monkeypatch.setenv("DSPARK_FUSED", "1")
+    use_options(fused=True)
     fused = tensors(*run(model, STEPS))
     assert len(fused_calls) == len(STEPS)
     for ours, theirs, reference in zip(fused, loop, exact):
@@ -109,16 +109,17 @@ def test_fused_forward_matches_the_layer_loop(family, dtype, march, fused_calls,
 
 @needs_tiles
 @pytest.mark.parametrize("head_dim", [32, 64])
-def test_tile_attention_errs_as_the_vector_loops(head_dim, fused_calls, monkeypatch):
+def test_tile_attention_errs_as_the_vector_loops(head_dim, fused_calls, monkeypatch, use_options):
     """bf16 on AMX: the query rows of requests of 2 tokens or more attend on the tiles (tile_attention.h). Against
-    the float32 loop, each output's mean error is at most 1.1x that of the same forwards with DSPARK_TILES=0
+    the float32 loop, each output's mean error is at most 1.1x that of the same forwards with Options.tiles=False
     (measured: 0.93-1.06x; dividing the tiles' sums by 1.01x their normaliser reaches 1.20x)."""
+    use_options(exact=False)  # tile attention is not exact: one token attends on the vector loops
     model = random_target("qwen3", torch.bfloat16, head_dim=head_dim)
-    monkeypatch.setenv("DSPARK_FUSED", "0")
+    use_options(fused=False)
     exact = tensors(*run(copy.deepcopy(model).float(), STEPS))
-    monkeypatch.setenv("DSPARK_FUSED", "1")
+    use_options(fused=True)
     tiles = tensors(*run(model, STEPS))
-    monkeypatch.setenv("DSPARK_TILES", "0")
+    use_options(tiles=False)
     vector = tensors(*run(model, STEPS))
     assert len(fused_calls) == 2 * len(STEPS)
     for ours, theirs, reference in zip(tiles, vector, exact):
@@ -136,16 +137,21 @@ def test_a_request_does_not_depend_on_the_requests_beside_it(dtype, fused_calls)
         assert torch.equal(a[:3], b[:3])
 
 
-def test_prefills_unfusable_models_and_the_switch_keep_the_loop(fused_calls, monkeypatch):
+def test_prefills_unfusable_models_and_the_switch_keep_the_loop(fused_calls, monkeypatch, use_options):
     run(random_target("llama", torch.float32), [])  # a prefill only
     assert not fused_calls
     odd = random_target("llama", torch.float32, intermediate_size=120)  # not a multiple of 16
     assert not fused_layers.fusable(odd)
     run(odd, STEPS[:1])
     assert not fused_calls
+    use_options(exact=False)
     run(random_target("llama", torch.float32), [([MAX_TOKENS // 3 + 1] * 3, False)])  # more than MAX_TOKENS
     assert not fused_calls
-    monkeypatch.setenv("DSPARK_FUSED", "0")
+    use_options(exact=True)  # the same forward in pieces of whole requests, each fused
+    run(random_target("llama", torch.float32), [([MAX_TOKENS // 3 + 1] * 3, False)])
+    assert len(fused_calls) == 2
+    fused_calls.clear()
+    use_options(fused=False)
     run(random_target("llama", torch.float32), STEPS[:1])
     assert not fused_calls
 
@@ -180,16 +186,19 @@ def test_fused_prefills_run_each_request_alone_in_chunks(dtype, fused_calls, mon
     assert torch.equal(prefill(model, [short])[0], fused[1]) and torch.equal(prefill(model, [other, short])[1], fused[1])
 
 
-def test_prefills_fuse_only_bf16_targets_on_the_tiles(monkeypatch):
+def test_prefills_fuse_under_exact_else_only_bf16_targets_on_the_tiles(monkeypatch, use_options):
     from dspark.target import skinny, upcast
 
     bf16 = random_target("llama", torch.bfloat16)
+    assert fused_layers.fuses_prefill(bf16) == kernel_built()
+    assert fused_layers.fuses_prefill(random_target("llama", torch.float32)) == kernel_built()
+    use_options(exact=False)
     assert fused_layers.fuses_prefill(bf16) == (kernel_built() and skinny.runs_tiles() and not upcast.UPCAST_HELPS)
     assert not fused_layers.fuses_prefill(random_target("llama", torch.float32))
     monkeypatch.setattr(upcast, "UPCAST_HELPS", True)  # a CPU without a bf16 unit: the float32 path is faster
     assert not fused_layers.fuses_prefill(bf16)
     monkeypatch.setattr(upcast, "UPCAST_HELPS", False)
-    monkeypatch.setenv("DSPARK_FUSED", "0")
+    use_options(fused=False)
     assert not fused_layers.fuses_prefill(bf16)
 
 

@@ -1,6 +1,6 @@
 """skinny.py's few-row kernel computes the product (bf16 and float32, with tails and bias); a row's result does
 not depend on the other rows of the product; the target's decode and verify forwards of at most MAX_ROWS rows
-take it (prefills and larger forwards do not); without it (DSPARK_SKINNY=0) PyTorch's kernels run."""
+take it (prefills and larger forwards do not); without it (Options.kernels="pytorch") PyTorch's kernels run."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ def test_the_kernel_computes_the_product(dtype, tol, march):
 
 
 needs_tiles = pytest.mark.skipif(not (kernel() is not None and skinny.runs_tiles()), reason="no AMX tiles here")
-AMX_MIN_ROWS, AMX_MAX_ROWS = 2, 32  # skinny.cpp's: products over packed weights of these rows run on the tiles
+AMX_MAX_ROWS = 32  # skinny.cpp's: products over packed weights of 1 (2 without Options.exact) to 32 rows run on the tiles
 
 
 def packed_linear(n: int, k: int, seed: int) -> torch.nn.Linear:
@@ -80,29 +80,38 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(dtype, march):
 
 
 @needs_tiles
-def test_packed_weights_give_the_product_and_rows_alone():
+@pytest.mark.parametrize("exact", [True, False])
+def test_packed_weights_give_the_product_and_rows_alone(exact, use_options):
+    """Every row of a product over packed weights, of any width (more than AMX_MAX_ROWS: 32 at a time), rounds as
+    that row alone; without Options.exact one row runs on vdpbf16ps, as without the copy."""
+    use_options(exact=exact)
     g = torch.Generator().manual_seed(2)
     for n, k in ((64, 96), (80, 576), (32, 1536)):  # blocks of 48 and 16 or 32 rows (up to 16 rows of x), 32 and 16 (more)
         layer = packed_linear(n, k, n + k)
         packed = skinny.tiles(layer)
         assert packed is not None and skinny.tiles(layer) is packed  # made once
-        x = torch.randn(AMX_MAX_ROWS, k, generator=g).bfloat16()
+        x = torch.randn(AMX_MAX_ROWS + 8, k, generator=g).bfloat16()
         for b in (None, layer.bias):
             full = skinny_linear(x, layer.weight, b, packed=packed)
             exact = torch.nn.functional.linear(x.double(), layer.weight.double(), None if b is None else b.double())
             assert (full.double() - exact).abs().max() <= 1e-2 * exact.abs().max(), (n, k)
-            for rows in range(AMX_MIN_ROWS, AMX_MAX_ROWS):  # one row: vdpbf16ps, as without the copy
+            for rows in range(1 if exact else 2, AMX_MAX_ROWS + 8):
                 assert torch.equal(skinny_linear(x[:rows], layer.weight, b, packed=packed), full[:rows]), (n, k, rows)
-            one = skinny_linear(x[:1], layer.weight, b, packed=packed)
-            assert torch.equal(one, skinny_linear(x[:1], layer.weight, b)), (n, k)
+            assert torch.equal(skinny_linear(x[AMX_MAX_ROWS + 3:AMX_MAX_ROWS + 4], layer.weight, b, packed=packed),
+                               full[AMX_MAX_ROWS + 3:AMX_MAX_ROWS + 4]) == exact, (n, k)
+            if not exact:
+                one = skinny_linear(x[:1], layer.weight, b, packed=packed)
+                assert torch.equal(one, skinny_linear(x[:1], layer.weight, b)), (n, k)
 
 
 @needs_tiles
-def test_packed_weights_take_amx_tiles_for_2_to_32_rows():
+@pytest.mark.parametrize("exact", [True, False])
+def test_packed_weights_take_amx_tiles_for_1_or_2_to_32_rows(exact, use_options):
     # a sum whose result shows its order: vdpbf16ps keeps 2^25 and -2^25 in one lane, where they cancel, and the
     # 30 ones in others (30); AMX's tiles add the ones to 2^25 (lost to rounding) before -2^25 arrives
     x = torch.zeros(64)
     x[0], x[2:32], x[32] = 2.0**25, 1.0, -(2.0**25)
+    use_options(exact=exact)
     layer = torch.nn.Linear(64, 32, bias=False).bfloat16()  # one whole block of weight rows
     with torch.no_grad():
         layer.weight.fill_(1)
@@ -110,7 +119,7 @@ def test_packed_weights_take_amx_tiles_for_2_to_32_rows():
         rows_x = x.repeat(rows, 1).bfloat16()
         assert bool((skinny_linear(rows_x, layer.weight) == 30).all()), rows  # in place: vdpbf16ps
         out = skinny_linear(rows_x, layer.weight, packed=skinny.tiles(layer))
-        assert bool((out == 30).all()) == (rows < AMX_MIN_ROWS), (rows, out[0, 0].item())
+        assert bool((out == 30).all()) == (not exact and rows == 1), (rows, out[0, 0].item())
 
 
 @needs_tiles
@@ -126,17 +135,19 @@ def test_tiles_pack_16_by_32_blocks_as_column_pairs():
     assert torch.equal(skinny.tiles(layer)[1, 2, 5, 15, 1], layer.weight[31, 75])
 
 
-def test_tiles_only_for_bf16_weights_in_whole_tiles(monkeypatch):
+def test_tiles_only_for_bf16_weights_in_whole_tiles(monkeypatch, use_options):
     assert skinny.tiles(torch.nn.Linear(96, 64)) is None  # float32
     assert skinny.tiles(torch.nn.Linear(40, 64).bfloat16()) is None  # K not a multiple of 32
     assert skinny.tiles(torch.nn.Linear(96, 40).bfloat16()) is None  # N not a multiple of 16
-    monkeypatch.setenv("DSPARK_TILES", "0")
+    use_options(tiles=False)
     assert skinny.tiles(torch.nn.Linear(96, 64).bfloat16()) is None  # switched off
 
 
 @needs_kernel
-def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
-    monkeypatch.setenv("DSPARK_FUSED", "0")  # the layer loop's choice (fused_layers.cpp calls the kernel itself)
+def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch, use_options):
+    """Without Options.exact the layer loop's products of at most MAX_ROWS rows take the kernel (prefills and wider
+    forwards PyTorch's); with it every product of the target does."""
+    use_options(fused=False, exact=False)  # the layer loop's choice (fused_layers.cpp calls the kernel itself)
     target, calls = llm_bf16.engine.target, []
     real = skinny.skinny_linear
     monkeypatch.setattr(upcast, "skinny_linear", lambda x, w, b: calls.append(len(x)) or real(x, w, b))
@@ -148,15 +159,19 @@ def test_decode_and_verify_forwards_take_the_kernel(llm_bf16, monkeypatch):
         calls.clear()
         target.logits(hidden)  # the LM head by its own row count (a prefill's last rows, a verify's rows)
         assert bool(calls) == (tokens <= MAX_ROWS), (tokens, calls)
+    use_options(exact=True)
+    for tokens, is_prefill in ((MAX_ROWS + 1, False), (3, True), (1, False)):
+        calls.clear()
+        hidden = torch.cat(prefill(target, [list(range(1, tokens + 1))], is_prefill))
+        target.logits(hidden)
+        assert len(calls) == 1 + 4 * len(target.layers) and all(n == tokens for n in calls), (tokens, is_prefill)
 
 
-def test_without_the_kernel_pytorch_runs(monkeypatch, llm_bf16):
-    monkeypatch.setenv("DSPARK_SKINNY", "0")
-    kernel.cache_clear()
-    try:
-        assert kernel() is None
-        x, weight = torch.randn(2, 64).bfloat16(), torch.randn(5, 64).bfloat16()
-        assert not skinny.takes_skinny(x, weight)
-        assert upcast.product_kernel(x, weight) is upcast.linear
-    finally:
-        kernel.cache_clear()
+def test_without_the_kernel_pytorch_runs(llm_bf16, use_options):
+    use_options(kernels="pytorch")
+    assert kernel() is None
+    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    assert not skinny.takes_skinny(x, weight)
+    assert upcast.product_kernel(x, weight) is upcast.linear
+    with torch.inference_mode():
+        assert upcast.product_kernel(x, weight, exact=True) is upcast.blocked_linear

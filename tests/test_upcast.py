@@ -30,8 +30,9 @@ def test_upcast_product_rows_do_not_depend_on_the_row_count():
 
 
 @pytest.fixture()
-def upcast_everywhere(monkeypatch):
-    """The float32 path whatever this CPU has (it is only used by default without a bf16 unit)."""
+def upcast_everywhere(monkeypatch, use_options):
+    """The float32 path whatever this CPU has (without Options.exact, and by default only without a bf16 unit)."""
+    use_options(exact=False)
     monkeypatch.setattr(upcast, "UPCAST_HELPS", True)
 
 

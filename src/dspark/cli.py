@@ -15,6 +15,39 @@ def add_target_args(g):
                         "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
     g.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_options_args(g)
+
+
+def add_options_args(g):
+    """The fields of dspark.Options as flags (how the target computes)."""
+    from .options import KERNEL_CHOICES
+
+    g.add_argument("--kernels", default="native", choices=KERNEL_CHOICES,
+                   help="instruction set the compiled CPU kernels are built for (native: this CPU's own), or pytorch "
+                        "(PyTorch's kernels only) (default: %(default)s)")
+    g.add_argument("--inexact", action="store_true",
+                   help="let forwards of many tokens take kernels that round differently from decoding one token (on "
+                        "some CPUs faster prefills and wide batches); by default every row of every forward rounds "
+                        "as that token decoded alone, so speculation never changes an answer")
+    g.add_argument("--no-fused", action="store_true", help="run the target in PyTorch's layer loop")
+    g.add_argument("--no-tiles", action="store_true",
+                   help="no AMX tiles for bf16 products (saves their packed weight copies)")
+    g.add_argument("--no-tile-attention", action="store_true",
+                   help="no AMX tiles for attention (only matters with --inexact)")
+    g.add_argument("--no-groups", action="store_true",
+                   help="float32 weights on a GGUF grid are read dense, not as their groups")
+    g.add_argument("--no-draft-vocab", action="store_true",
+                   help="drafters draft over the whole vocabulary, ignoring their draft_vocab.json")
+
+
+def options_from_args(args):
+    """dspark.Options from the flags of add_options_args (defaults where a command has none of them)."""
+    from .options import Options
+
+    get = (lambda name: getattr(args, name, False))
+    return Options(exact=not get("inexact"), kernels=getattr(args, "kernels", "native"), fused=not get("no_fused"),
+                   tiles=not get("no_tiles"), tile_attention=not get("no_tile_attention"), groups=not get("no_groups"),
+                   draft_vocab=not get("no_draft_vocab"))
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -173,8 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import options
+
     args = build_parser().parse_args(argv)
     try:
+        options.use(options_from_args(args))
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dspark: error: {exc}", file=sys.stderr)

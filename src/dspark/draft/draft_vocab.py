@@ -9,7 +9,7 @@ tokens of the committed training answers. Sizes are multiples of 16, the row til
 target's drafter head runs on.
 
 The draft vocabulary is an extra beside a drafter's weights (`draft_vocab.json`, sorted token ids), applied at load
-for inference (`DSPARK_DRAFT_VOCAB=0` turns it off). A drafter trained with one (`dspark train --draft-vocab N`,
+for inference (Options.draft_vocab=False, `--no-draft-vocab`, turns it off). A drafter trained with one (`dspark train --draft-vocab N`,
 TrainingVocab) learns q over exactly those tokens; one trained over the whole vocabulary can be given one afterwards
 (`dspark draft-vocab`).
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .. import options
 from ..target.upcast import ManyRowsLinear
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -56,11 +57,11 @@ def save_draft_vocab(folder: str | Path, ids: list[int], meta: dict) -> Path:
     return path
 
 
-def load_draft_vocab(folder: str | Path, vocab_size: int, honour_env: bool = True) -> torch.Tensor | None:
-    """The sorted ids of the folder's draft vocabulary, or None (no file, or DSPARK_DRAFT_VOCAB=0 unless
-    honour_env is False)."""
+def load_draft_vocab(folder: str | Path, vocab_size: int, honour_options: bool = True) -> torch.Tensor | None:
+    """The sorted ids of the folder's draft vocabulary, or None (no file, or Options.draft_vocab off unless
+    honour_options is False)."""
     path = Path(folder) / DRAFT_VOCAB_FILE
-    if (honour_env and os.environ.get("DSPARK_DRAFT_VOCAB", "1") == "0") or not path.is_file():
+    if (honour_options and not options.current().draft_vocab) or not path.is_file():
         return None
     ids = torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
     if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:

@@ -8,6 +8,8 @@ import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig
+from ..options import Options
+from ..options import use as use_options
 from ..draft import make_drafter
 from ..draft.lookup_first import LookupFirstDrafter
 from ..sampling import SamplingParams
@@ -28,12 +30,15 @@ class LLM:
     scheduler: "fixed", "plain", "threshold", "algorithm1", "async", "auto" (async where the drafter gives
     confidences, else fixed) or a Scheduler; algorithm1 and async cost steps with an SPS(B) table: `cost_table`
     (a file from `dspark profile`), else one profiled for this target, drafter and machine at first use and
-    cached.
+    cached. options: how the target computes (dspark.Options; None keeps the ones in force, by default exact).
     """
 
     def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
                  dtype: str = "bf16", max_num_seqs: int = 64, max_model_len: int | None = None,
-                 threads: int | None = None, cost_table: str | CostTable | None = None, threshold: float = 0.5):
+                 threads: int | None = None, cost_table: str | CostTable | None = None, threshold: float = 0.5,
+                 options: Options | None = None):
+        if options is not None:
+            use_options(options)
         self.config = EngineConfig(target=target, dtype=dtype, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, threads=threads)
         if threads:

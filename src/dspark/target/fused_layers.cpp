@@ -18,25 +18,26 @@
 
 extern "C" {
 void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N,
-                 int64_t K, int threads);
+                 int64_t K, int threads, int flags);
 void skinny_f32(const float* x, const float* w, const float* wt, const float* b, float* y, int64_t M, int64_t N,
-                int64_t K, int threads);
+                int64_t K, int threads, int flags);
 }
+enum { ONE_ROW_TILES = 1, TILE_ATTENTION = 2 };  // flags, as skinny.cpp's
 // Products of at most 32 rows (skinny.cpp's tiles read the weights once for them); more rows are products of 32 at
 // a time, each row rounded as in any other forward. wt: the weight packed for AMX's tiles (skinny.py's `tiles`), or
 // null.
 static const int64_t ROWS = 32;
 static inline void product(const bf16* x, const void* w, const void* wt, const void* b, bf16* y, int64_t M, int64_t N,
-                           int64_t K, int threads) {
+                           int64_t K, int threads, int flags) {
   for (int64_t m = 0; m < M; m += ROWS)
     skinny_bf16(x + m * K, (const bf16*)w, (const bf16*)wt, (const bf16*)b, y + m * N, M - m < ROWS ? M - m : ROWS,
-                N, K, threads);
+                N, K, threads, flags);
 }
 static inline void product(const float* x, const void* w, const void*, const void* b, float* y, int64_t M, int64_t N,
-                           int64_t K, int threads) {
+                           int64_t K, int threads, int flags) {
   for (int64_t m = 0; m < M; m += ROWS)
     skinny_f32(x + m * K, (const float*)w, nullptr, (const float*)b, y + m * N, M - m < ROWS ? M - m : ROWS, N, K,
-               threads);
+               threads, flags);
 }
 
 template <typename T>
@@ -180,10 +181,23 @@ static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, u
   weigh<NR>(s, sum, values, L, hd, out, padded);
 }
 
-// Query heads g0 .. g0 + G - 1 of one token (q: its H heads, out: its H * hd outputs), four at a time.
+// Query heads g0 .. g0 + G - 1 of one token (q: its H heads, out: its H * hd outputs), four at a time. A token of a
+// draft tree (hidden: the earlier nodes that are not its ancestors) reads its visible keys gathered in order, so
+// they sit where the same token decoded alone finds them (its ancestors right after the prefix) and every sum runs
+// as there: hiding keys in place would move them to other lanes of the sums.
 template <typename T>
 static void attend(const T* q, const T* keys, const T* values, int64_t L, uint64_t hidden, int64_t g0, int64_t G,
                    int64_t hd, T* out, float* s) {
+  std::vector<T> seen_keys, seen_values;
+  if (hidden) {
+    for (int64_t j = 0; j < L; j++) {
+      const int64_t back = L - 1 - j;  // hide_keys' bit numbering
+      if (back < 64 && (hidden >> back & 1)) continue;
+      seen_keys.insert(seen_keys.end(), keys + j * hd, keys + (j + 1) * hd);
+      seen_values.insert(seen_values.end(), values + j * hd, values + (j + 1) * hd);
+    }
+    keys = seen_keys.data(), values = seen_values.data(), L = (int64_t)seen_keys.size() / hd, hidden = 0;
+  }
   for (int64_t g = g0; g < g0 + G; g += 4) {
     const T* qg = q + g * hd;
     T* og = out + g * hd;
@@ -224,7 +238,7 @@ static void silu_mul(const T* gate_up, T* act, int64_t rows, int64_t F, int thre
 template <typename T>
 static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
                     const int64_t* hidden, T* kc, T* vc, int64_t slots, int64_t capacity, T* x, const T* cos, const T* sin, T* features,
-                    const int64_t* capture, int64_t width, int threads) {
+                    const int64_t* capture, int64_t width, int threads, int flags) {
   const int64_t d = m.d, H = m.heads, KVH = m.kv_heads, hd = m.head_dim, F = m.inter, G = H / KVH;
   const int64_t QKV = (H + 2 * KVH) * hd;
   int64_t keys = 0;
@@ -234,9 +248,9 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   std::vector<float> scratch(threads * 4 * keys);
   std::vector<std::pair<int64_t, int64_t>> runs;  // tile attention's items: (first token, tokens) of one slot
 #ifdef TILE_ATTENTION
-  const char *off = getenv("DSPARK_TILES"), *attention_off = getenv("DSPARK_TILE_ATTENTION");  // "0": off
-  if (std::is_same<T, bf16>::value && tile_attention::fits(hd, G) && !(off && off[0] == '0') &&
-      !(attention_off && attention_off[0] == '0'))
+  // only where the layers' products have packed copies (tiles on) and the flag asks for it
+  if (std::is_same<T, bf16>::value && tile_attention::fits(hd, G) && (flags & TILE_ATTENTION) &&
+      m.layer[0].qkv_tiles)
     for (int64_t t = 0; t < n; t++)
       if (runs.empty() || slot[t] != slot[runs.back().first] || (runs.back().second + 1) * G > tile_attention::ROWS)
         runs.push_back({t, 1});
@@ -246,7 +260,7 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   for (int64_t l = 0; l < m.layers; l++) {
     const Layer& w = m.layer[l];
     rms_norm(x, w.input_norm, h.data(), n, d, m.eps);
-    product(h.data(), w.qkv, w.qkv_tiles, w.qkv_bias, qkv.data(), n, QKV, d, threads);
+    product(h.data(), w.qkv, w.qkv_tiles, w.qkv_bias, qkv.data(), n, QKV, d, threads, flags);
 #pragma omp parallel num_threads(threads)
     {
       // work item (t, kh): token t's query heads of KV head kh, normed and rotated, and that head's key (normed,
@@ -295,27 +309,61 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
         }
       }
     }
-    product(att.data(), w.o, w.o_tiles, w.o_bias, out.data(), n, d, H * hd, threads);
+    product(att.data(), w.o, w.o_tiles, w.o_bias, out.data(), n, d, H * hd, threads, flags);
     residual(x, out.data(), n * d);
     rms_norm(x, w.post_norm, h.data(), n, d, m.eps);
-    product(h.data(), w.gate_up, w.gate_up_tiles, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads);
+    product(h.data(), w.gate_up, w.gate_up_tiles, w.gate_up_bias, gate_up.data(), n, 2 * F, d, threads, flags);
     silu_mul(gate_up.data(), act.data(), n, F, threads);
-    product(act.data(), w.down, w.down_tiles, w.down_bias, out.data(), n, d, F, threads);
+    product(act.data(), w.down, w.down_tiles, w.down_bias, out.data(), n, d, F, threads, flags);
     residual(x, out.data(), n * d);
     if (capture[l] >= 0)
       for (int64_t t = 0; t < n; t++) memcpy(features + t * width + capture[l] * d, x + t * d, d * sizeof(T));
   }
 }
 
+template <typename T>
+static void attend_tokens(const T* q, const T* kc, const T* vc, int64_t l, int64_t slots, int64_t capacity,
+                          const int64_t* slot, const int64_t* visible, const int64_t* hidden, int64_t n, int64_t H,
+                          int64_t KVH, int64_t hd, T* out, int threads) {
+  const int64_t G = H / KVH;
+  int64_t keys = 0;
+  for (int64_t t = 0; t < n; t++) keys = visible[t] + 1 > keys ? visible[t] + 1 : keys;
+  keys = (keys + LANES - 1) / LANES * LANES;
+  std::vector<float> scratch(threads * 4 * keys);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n * KVH; i++) {
+    const int64_t t = i / KVH, kh = i % KVH, at = ((l * slots + slot[t]) * KVH + kh) * capacity * hd;
+    attend(q + t * H * hd, kc + at, vc + at, visible[t] + 1, hidden ? hidden[t] : 0, kh * G, G, hd, out + t * H * hd,
+           scratch.data() + omp_get_thread_num() * 4 * keys);
+  }
+}
+
 extern "C" {
 void fused_layers_bf16(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
                        const int64_t* hidden, bf16* kc, bf16* vc, int64_t slots, int64_t capacity, bf16* x, const bf16* cos, const bf16* sin,
-                       bf16* features, const int64_t* capture, int64_t width, int threads) {
-  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+                       bf16* features, const int64_t* capture, int64_t width, int threads, int flags) {
+  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads,
+          flags);
 }
 void fused_layers_f32(const Model* m, int64_t n, const int64_t* slot, const int64_t* pos, const int64_t* visible,
                       const int64_t* hidden, float* kc, float* vc, int64_t slots, int64_t capacity, float* x, const float* cos,
-                      const float* sin, float* features, const int64_t* capture, int64_t width, int threads) {
-  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads);
+                      const float* sin, float* features, const int64_t* capture, int64_t width, int threads,
+                      int flags) {
+  forward(*m, n, slot, pos, visible, hidden, kc, vc, slots, capacity, x, cos, sin, features, capture, width, threads,
+          flags);
+}
+
+// Attention of model.py's layer loop where the contract of exactness holds (Options.exact): n tokens' queries q
+// [n, H, hd] (already normed and rotated) over layer l's cached keys and values (written first), each token alone on
+// the vector loops above, as fused forwards attend; out [n, H, hd].
+void attend_tokens_bf16(const bf16* q, const bf16* kc, const bf16* vc, int64_t l, int64_t slots, int64_t capacity,
+                        const int64_t* slot, const int64_t* visible, const int64_t* hidden, int64_t n, int64_t H,
+                        int64_t KVH, int64_t hd, bf16* out, int threads) {
+  attend_tokens(q, kc, vc, l, slots, capacity, slot, visible, hidden, n, H, KVH, hd, out, threads);
+}
+void attend_tokens_f32(const float* q, const float* kc, const float* vc, int64_t l, int64_t slots, int64_t capacity,
+                       const int64_t* slot, const int64_t* visible, const int64_t* hidden, int64_t n, int64_t H,
+                       int64_t KVH, int64_t hd, float* out, int threads) {
+  attend_tokens(q, kc, vc, l, slots, capacity, slot, visible, hidden, n, H, KVH, hd, out, threads);
 }
 }

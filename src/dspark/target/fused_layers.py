@@ -9,12 +9,13 @@ of 75 interleaved timings, at 6499499) has the loop against it at 18.4 -> 9.62 m
 11.6 ms for 4 (1.89x) and 23.5 -> 12.7 ms for 8 (1.85x).
 
 It takes decode and verify forwards of at most MAX_TOKENS tokens of models whose weights are dense bf16 or float32
-(not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built; DSPARK_FUSED=0 turns it off.
-Prefills come here only where `fuses_prefill` says so (bf16 targets on AMX's tiles), request by request in chunks of
-at most MAX_TOKENS: time to first token 1.82x faster than the loop with oneDNN's products, median over 36 prompts
-(benchmarks/results/prefill.md at db671d2, SmolLM2-135M, 2-core AMX Xeon; humaneval's ~160-token prompts 50.8 against
-81.9 ms). Results equal model.py's within rounding (the order of float32 sums differs; tested), and a token's results
-depend on its own row alone, as with skinny.cpp's products. A DSpark or DFlash drafter's backbone runs here too
+(not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built and Options.fused holds; model.py
+splits wider forwards into such calls. Prefills come here where `fuses_prefill` says so (under Options.exact
+wherever the layers fuse; otherwise bf16 targets on AMX's tiles, where it was faster than the loop:
+benchmarks/results/prefill.md), request by request in chunks of at most MAX_TOKENS. Results equal model.py's loop
+within rounding (the order of float32 sums differs; tested), and a token's results depend on its own row alone,
+as with skinny.cpp's products; `attend_tokens` gives the loop the same attention where Options.exact holds.
+A DSpark or DFlash drafter's backbone runs here too
 (draft/dspark.py): its layers have the same shape, with separate q, k, v and gate, up weights, which are joined into
 copies once (`joined`); on the bundled drafter that took a propose from 4.9 to 4.0 ms (ad hoc medians).
 """
@@ -22,17 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 from torch import nn
 
 from . import upcast
-from .skinny import identity, kept, kernel, runs_tiles, tiles
+from .. import options
+from .skinny import flags, identity, kept, kernel, runs_tiles, tiles
 
 FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
           "gate_up_bias", "down", "down_bias", "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")
 FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f32"}
+ATTEND = {torch.bfloat16: "attend_tokens_bf16", torch.float32: "attend_tokens_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
 # forwards of more tokens take model.py's loop. fused_layers.cpp reads the weights once per 32 tokens, PyTorch's
 # products once; benchmarks/results/tiles.md (2-core AMX Xeon, SmolLM2-135M bf16, requests of 8 tokens after 200
@@ -130,30 +132,55 @@ def model_weights(model) -> ModelWeights | None:
         weights._layers = layers  # keeps the array alive
         return weights
     key = tuple(getattr(m, "weight", None) is not None and identity(m.weight)
-                for m in (*parts(model.layers[0]), *parts(model.layers[-1]))) + (model.dtype,)
+                for m in (*parts(model.layers[0]), *parts(model.layers[-1]))) + (model.dtype, runs_tiles())
     return kept(model, "_fused_weights", key, table)
 
 
 def fused_weights(model, batch) -> ModelWeights | None:
     """The model's weight table where this forward runs through fused_layers.cpp (not a prefill, at most MAX_TOKENS
-    tokens, skinny.cpp built, the model fusable, DSPARK_FUSED not 0), else None."""
+    tokens, skinny.cpp built, the model fusable, Options.fused), else None."""
     if batch.prefill or len(batch.tokens) > MAX_TOKENS or not switched_on():
         return None
     return model_weights(model)
 
 
 def switched_on() -> bool:
-    """skinny.cpp built and DSPARK_FUSED not 0."""
-    return os.environ.get("DSPARK_FUSED", "1") != "0" and kernel() is not None
+    """skinny.cpp built and Options.fused."""
+    return options.current().fused and kernel() is not None
 
 
 def fuses_prefill(model) -> bool:
-    """Whether the model's prefills run here (model.py's `prefill_in_chunks`): bf16 weights on AMX's tiles, where
-    the float32 path (upcast.py) does not help, the model fusable and DSPARK_FUSED not 0. Each request runs alone,
-    so its rows do not depend on what was admitted with it (a forward of 33 rows rounds its last row on the one-row
-    kernel, ad hoc: batches of requests would break that)."""
-    return (model.dtype == torch.bfloat16 and not upcast.UPCAST_HELPS and runs_tiles() and switched_on()
-            and model_weights(model) is not None)
+    """Whether the model's prefills run here (model.py's `prefill_in_chunks`), each request alone in chunks of at
+    most MAX_TOKENS: wherever the layers fuse under Options.exact (a prompt's rows then round as those tokens
+    decoded alone); without it only for bf16 weights on AMX's tiles, where upcast.py's float32 path does not help."""
+    if not switched_on() or model_weights(model) is None:
+        return False
+    return options.current().exact or (model.dtype == torch.bfloat16 and not upcast.UPCAST_HELPS and runs_tiles())
+
+
+def takes_attend_tokens(q: torch.Tensor, cache) -> bool:
+    """Whether the layer loop's attention runs token by token in fused_layers.cpp: Options.exact, the kernel built,
+    a bf16 or float32 cache of q's dtype, and heads of at most MAX_HEAD_DIM."""
+    return (options.current().exact and q.dtype in ATTEND and cache.k.dtype == q.dtype and q.shape[-1] <= MAX_HEAD_DIM
+            and cache.k.is_contiguous() and kernel() is not None)
+
+
+def attend_tokens(layer: int, q: torch.Tensor, batch, cache) -> torch.Tensor:
+    """Attention of the batch's queries q [T, H, hd] over layer `layer` of `cache` (its keys and values written),
+    token by token on fused_layers.cpp's vector loops, as fused forwards attend; returns [T, H * hd]."""
+    T, H, hd = q.shape
+    q = q.contiguous()
+    out = torch.empty(T, H * hd, dtype=q.dtype)
+    visible = batch.positions if batch.visible is None else batch.visible
+    slots, visible = batch.slots.to(torch.long).contiguous(), visible.to(torch.long).contiguous()
+    hidden = None if batch.hidden is None else batch.hidden.to(torch.long).contiguous()
+    function = getattr(kernel(), ATTEND[q.dtype])
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
+        ctypes.c_void_p, ctypes.c_int]
+    function(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), layer, cache.k.shape[1], cache.k.shape[3],
+             slots.data_ptr(), visible.data_ptr(), pointer(hidden), T, H, cache.k.shape[2], hd, out.data_ptr(),
+             torch.get_num_threads())
+    return out
 
 
 def capture_slots(model) -> torch.Tensor:
@@ -173,7 +200,7 @@ def entry(lib: ctypes.CDLL, dtype: torch.dtype):
     """fused_layers.cpp's forward for `dtype` in the library, with its argument types."""
     function = getattr(lib, FUNCTIONS[dtype])
     function.argtypes = ([ctypes.POINTER(ModelWeights), ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
-                         + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int])
+                         + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int])
     function.restype = None
     return function
 
@@ -196,5 +223,5 @@ def fused_forward(model, weights: ModelWeights, x: torch.Tensor, cos: torch.Tens
     hidden = None if batch.hidden is None else batch.hidden.to(torch.long).contiguous()
     forward(ctypes.byref(weights), n, slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), pointer(hidden),
             cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], cache.k.shape[3], x.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), pointer(features), capture.data_ptr(), width, torch.get_num_threads())
+            sin.data_ptr(), pointer(features), capture.data_ptr(), width, torch.get_num_threads(), flags())
     return features

@@ -13,7 +13,7 @@ rows 15.1 -> 17.2 ms, ad hoc), so the tiles decode in place.
 
 A weight is held in groups only if its float32 values are found again bit for bit (`hold_groups` checks every
 group), which holds for weights that came from such a GGUF and practically never otherwise: other targets, and
-bf16, keep the dense products. The dense weights stay for prefills and products of more rows. DSPARK_GROUPS=0
+bf16, keep the dense products. The dense weights stay for prefills and products of more rows. Options.groups=False
 turns this off.
 
 Drafters' LM heads are held in the nearest Q8_0 groups whatever their dtype (`hold_head_groups`; not exact, and
@@ -28,11 +28,11 @@ its bf16 head is a rounding.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 from torch import nn
 
+from .. import options
 from .q4_1 import GROUP
 from .skinny import kernel
 
@@ -82,9 +82,9 @@ class Groups:
 
 def hold_groups(model: nn.Module) -> int:
     """Give every float32 nn.Linear of `model` whose weight is exactly on a Q4_1 or Q8_0 grid its `groups`;
-    returns how many. Nothing where DSPARK_GROUPS=0 or skinny.cpp is not built; the first weight that is not on
+    returns how many. Nothing where Options.groups=False or skinny.cpp is not built; the first weight that is not on
     a grid stops the search (a target is on one grid or on none)."""
-    if os.environ.get("DSPARK_GROUPS", "1") == "0" or kernel() is None:
+    if not options.current().groups or kernel() is None:
         return 0
     count = 0
     for module in model.modules():
@@ -101,8 +101,8 @@ HEAD_ROWS = 4  # a drafter's LM head reads its Q8_0 groups up to this many rows 
 
 def hold_head_groups(head: nn.Linear) -> bool:
     """Give a drafter's frozen LM head the nearest Q8_0 groups of its weight (see above); False where it cannot
-    (DSPARK_GROUPS=0, skinny.cpp not built, a width that is no multiple of 32)."""
-    if os.environ.get("DSPARK_GROUPS", "1") == "0" or kernel() is None:
+    (Options.groups=False, skinny.cpp not built, a width that is no multiple of 32)."""
+    if not options.current().groups or kernel() is None:
         return False
     head.groups = Groups.of(head.weight.detach(), exact=False)
     return head.groups is not None

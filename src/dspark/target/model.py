@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import options
 from .kv_cache import KVCache
-from .fused_layers import MAX_TOKENS, fused_forward, fused_weights, fuses_prefill
+from .fused_layers import (MAX_TOKENS, attend_tokens, fused_forward, fused_weights, fuses_prefill, model_weights,
+                           switched_on, takes_attend_tokens)
 from .groups import Groups
 from .onednn import linear
 from .skinny import skinny_linear, tiles
@@ -67,6 +69,13 @@ class FlatBatch:
             hides = (back >= 1) & (back <= 62) & ((bits[:, :, None] >> back.clamp(0, 62)) & 1).bool()
             self.attn_mask &= ~hides[:, None]
         self.sparse_mask = None if bool(self.attn_mask.all()) else self.attn_mask
+
+    def requests(self, first: int, end: int) -> "FlatBatch":
+        """The batch of requests first .. end - 1 alone (their rows, masks and cache slots)."""
+        a, b = int(self.starts[first]), int(self.starts[end - 1]) + self.query_lens[end - 1]
+        part = (lambda t: None if t is None else t[a:b])
+        return FlatBatch(self.tokens[a:b], self.positions[a:b], self.query_lens[first:end], self.slot_start + first,
+                         part(self.visible), self.prefill, part(self.hidden), part(self.rotary_positions))
 
     @property
     def last_index(self) -> torch.Tensor:
@@ -164,11 +173,29 @@ def prefill_attention(q, keys, values, batch: FlatBatch) -> torch.Tensor:
     return torch.cat(outs)
 
 
+def token_attention(q, keys, values, batch: FlatBatch) -> torch.Tensor:
+    """Each token's queries [H, hd] alone over the keys [KVH, L, hd] it may read, gathered in order (as the same token
+    decoded alone finds them), in float32 with PyTorch's kernels and no mask: the same call for a token whatever
+    else is in the forward (Options.exact without the compiled kernels). Returns [T, H * hd]."""
+    outs = []
+    for t in range(len(batch.tokens)):
+        r = int(batch.request_of_token[t])
+        seen = batch.attn_mask[r, 0, t - int(batch.starts[r])].nonzero().squeeze(1)
+        out = F.scaled_dot_product_attention(q[t, :, None].float()[None], keys[r:r + 1, :, seen].float(),
+                                             values[r:r + 1, :, seen].float(), enable_gqa=True)
+        outs.append(out.reshape(1, -1))
+    return torch.cat(outs).to(q.dtype)
+
+
 def cached_attention(layer: int, q, k, v, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
     """Write the batch's keys/values ([T, KVH, hd]) to the cache, attend with queries [T, H, hd] over each
     request's cached keys under the batch's mask, and return [T, H * hd]."""
     T, H, _ = q.shape
     keys, values = cache.write(layer, batch, k, v)  # [R, KVH, key_len, hd] views
+    if options.current().exact:  # token by token: a token's attention depends on its own keys alone
+        if takes_attend_tokens(q, cache):
+            return attend_tokens(layer, q, batch, cache)
+        return token_attention(q, keys, values, batch)
     if batch.prefill:
         return prefill_attention(q, keys, values, batch)
     R, Q = batch.num_requests, batch.max_query_len
@@ -284,12 +311,14 @@ class TargetModel(nn.Module):
     def forward(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
         if batch.prefill and fuses_prefill(self):
             return self.prefill_in_chunks(batch, cache)
+        if not batch.prefill and len(batch.tokens) > MAX_TOKENS and self.fuses_wide():
+            return self.in_pieces(batch, cache)
         x = self.embed_tokens(batch.tokens)
         cos, sin = self.rotary(batch.positions if batch.rotary_positions is None else batch.rotary_positions, x.dtype)
         if (weights := fused_weights(self, batch)) is not None:  # decode and verify: the layers in one call
             features = fused_forward(self, weights, x, cos, sin, batch, cache)
             return TargetOutput(self.norm(x), features)
-        product = product_kernel(x, self.lm_head.weight, batch.prefill)
+        product = product_kernel(x, self.lm_head.weight, batch.prefill, exact=options.current().exact)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, product)
@@ -308,12 +337,34 @@ class TargetModel(nn.Module):
                 b = min(first + n, a + MAX_TOKENS)
                 chunk = FlatBatch(batch.tokens[a:b], batch.positions[a:b], [b - a], batch.slot_start + r)
                 outs.append(self(chunk, cache))
-        features = None if outs[0].features is None else torch.cat([o.features for o in outs])
-        return TargetOutput(torch.cat([o.hidden for o in outs]), features)
+        return joined(outs)
+
+    def fuses_wide(self) -> bool:
+        """Whether forwards of more than MAX_TOKENS tokens run through fused_layers.cpp in pieces (Options.exact), not
+        in the layer loop, whose products round otherwise."""
+        return options.current().exact and switched_on() and model_weights(self) is not None
+
+    def in_pieces(self, batch: FlatBatch, cache: KVCache) -> TargetOutput:
+        """A forward of more than MAX_TOKENS tokens as forwards of whole requests, at most MAX_TOKENS tokens each
+        where the requests allow (`fuses_wide`); the requests' rows are the same either way."""
+        outs, first, tokens = [], 0, 0
+        for r, n in enumerate(batch.query_lens):
+            if r > first and tokens + n > MAX_TOKENS:
+                outs.append(self(batch.requests(first, r), cache))
+                first, tokens = r, 0
+            tokens += n
+        outs.append(self(batch.requests(first, batch.num_requests), cache))
+        return joined(outs)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """LM head in the model dtype (through `product_kernel`'s choice), returned [N, V] in `dtype` (None:
         the model's own)."""
-        z = self.lm_head(hidden, product_kernel(hidden, self.lm_head.weight))
+        z = self.lm_head(hidden, product_kernel(hidden, self.lm_head.weight, exact=options.current().exact))
         return z if dtype is None else z.to(dtype)
+
+
+def joined(outs: list[TargetOutput]) -> TargetOutput:
+    """The outputs of consecutive pieces of one forward, as the forward's."""
+    features = None if outs[0].features is None else torch.cat([o.features for o in outs])
+    return TargetOutput(torch.cat([o.hidden for o in outs]), features)

@@ -140,14 +140,13 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 // against the same weight tiles, so the weights are read once for 32 rows, two weight tiles a block (all products
 // of SmolLM2-135M's layers over 32 rows, ad hoc: 16.1 ms as two products of 16, 11.5 ms as one). Every output sums
 // its 32-column chunks in order into one C tile whatever M or the block, so a row's result does not depend on the
-// rows beside it (within 2-32 rows; one row rounds as vdpbf16ps sums). Measured on a 2-core Xeon with AMX (ad hoc,
+// rows beside it. One row on the tiles too (the ONE_ROW_TILES flag, which exactness sets) keeps that true for
+// every width; without it one row runs on vdpbf16ps, which sums in another order and was faster on one 2-core Xeon. Measured on a 2-core Xeon with AMX (ad hoc,
 // whole forwards of SmolLM2-135M with the LM head after 250 cached tokens, bf16, interleaved, medians of 35):
 // 8 tokens 12.6 ms with blocks of two weight tiles, 12.1 with three, 12.4 with four (the fourth reusing a B tile);
-// asking for tiles ahead (1-16 chunks, to L1 or L2) gained nothing or lost up to 0.4 ms. One row stays on
-// vdpbf16ps: whole forwards of 1 token took 10.6 ms there, 11.5 on tiles (ad hoc, an earlier session).
+// asking for tiles ahead (1-16 chunks, to L1 or L2) gained nothing or lost up to 0.4 ms.
 #include "amx.h"
 
-static const int64_t AMX_MIN_ROWS = 2;  // one row stays on vdpbf16ps (see above)
 static const int64_t AMX_MAX_ROWS = 32;  // rows of x per weight pass: two A tiles of 16
 
 // Weight rows per block: three tiles of 16 against one A tile, two against two.
@@ -320,19 +319,25 @@ static const int WROWS = LANES == 16 ? 4 : 2;  // weight rows per tile: 4 x 4 ac
 #define SKINNY_AMX 1
 #endif
 
+// The flags of a product (and of fused_layers.cpp's forwards): ONE_ROW_TILES puts products of one row on AMX's tiles
+// too; TILE_ATTENTION lets fused_layers.cpp attend several tokens of a request on the tiles.
+enum { ONE_ROW_TILES = 1, TILE_ATTENTION = 2 };
+
 // Whether bf16 weight rows take the AMX tiles: a packed copy given (wt, whole tiles: N a multiple of 16, K of 32),
-// AMX_MIN_ROWS..AMX_MAX_ROWS rows, compiled in and granted by Linux; float32 products, and CPUs without AMX, never
-// do.
+// 2 (1 with ONE_ROW_TILES) to AMX_MAX_ROWS rows, compiled in and granted by Linux; float32 products, and CPUs
+// without AMX, never do.
 struct Tiles {
   bool on = false;
   int64_t M = 0;
   const bf16* wt = nullptr;
-  Tiles(const float*, const void*, int64_t, int64_t, int64_t) {}
-  Tiles(const bf16*, const void* packed, int64_t rows, int64_t N, int64_t K) : M(rows), wt((const bf16*)packed) {
+  Tiles(const float*, const void*, int64_t, int64_t, int64_t, int) {}
+  Tiles(const bf16*, const void* packed, int64_t rows, int64_t N, int64_t K, int flags)
+      : M(rows), wt((const bf16*)packed) {
 #ifdef SKINNY_AMX
-    on = wt && M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 && amx_permitted();
+    on = wt && M >= (flags & ONE_ROW_TILES ? 1 : 2) && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 &&
+         amx_permitted();
 #else
-    (void)N, (void)K;
+    (void)N, (void)K, (void)flags;
 #endif
   }
   // weight rows per work item
@@ -366,8 +371,8 @@ struct Tiles {
 
 template <typename T, typename W>
 static void product(const T* x, const W& w, const void* wt, const T* b, T* y, int64_t M, int64_t N, int64_t K,
-                    int threads) {
-  const Tiles tiles(x, wt, M, N, K);
+                    int threads, int flags = 0) {
+  const Tiles tiles(x, wt, M, N, K, flags);
   const int64_t step = tiles.block_rows(), blocks = (N + step - 1) / step;
 #pragma omp parallel num_threads(threads)
   {
@@ -391,12 +396,16 @@ static void product(const T* x, const W& w, const void* wt, const T* b, T* y, in
 
 extern "C" {
 // wt: w packed tile by tile (block_amx), read by bf16 products on AMX; may be null (float32: always null).
+// flags: ONE_ROW_TILES (above). With a packed copy, products of more than AMX_MAX_ROWS rows run AMX_MAX_ROWS rows at
+// a time, so every row takes the tiles as in any narrower product.
 void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N,
-                 int64_t K, int threads) {
-  product(x, Dense<bf16>{w, K}, wt, b, y, M, N, K, threads);
+                 int64_t K, int threads, int flags) {
+  const int64_t step = wt ? 32 : M > 0 ? M : 1;
+  for (int64_t m = 0; m < M; m += step)
+    product(x + m * K, Dense<bf16>{w, K}, wt, b, y + m * N, M - m < step ? M - m : step, N, K, threads, flags);
 }
 void skinny_f32(const float* x, const float* w, const float*, const float* b, float* y, int64_t M, int64_t N,
-                int64_t K, int threads) {
+                int64_t K, int threads, int) {
   product(x, Dense<float>{w, K}, nullptr, b, y, M, N, K, threads);
 }
 // Whether bf16 products run on AMX's tiles here (compiled in and granted by Linux): only then are packed copies

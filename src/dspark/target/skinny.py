@@ -19,14 +19,15 @@ run on the tiles (products of up to 32 rows; the layer loop passes at most MAX_R
 from memory in order: benchmarks/results/tiles.md (2-core AMX Xeon, all of SmolLM2-135M's products and LM head,
 interleaved) has 8 rows at 12.0 ms over the copies against 20.0 ms without them (vdpbf16ps), 32 rows 13.9 against
 58.2, one row 11.3 both ways (one row stays on vdpbf16ps; skinny.cpp's block_amx has the hand-timed figures). Every row count runs there, so a row
-still rounds alike whatever the rows beside it. Weights without a copy take vdpbf16ps; DSPARK_TILES=0 makes none.
+still rounds alike whatever the rows beside it; with Options.exact one row runs on the tiles too (as every other width),
+else on vdpbf16ps. Weights without a copy take vdpbf16ps; Options.tiles=False makes none.
 
 float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
 
 The kernel is compiled once per source, flags and CPU into the user cache folder (a few seconds with g++), in one
 library with fused_layers.cpp (whole decode and verify forwards on these products), and loaded with ctypes; it
-runs on PyTorch's OpenMP threads. Where there is no C++ compiler, no x86 AVX2, or DSPARK_SKINNY=0, it is skipped
-with one warning and PyTorch's kernels (and model.py's layer loop) run instead.
+runs on PyTorch's OpenMP threads. Where there is no C++ compiler or no x86 AVX2 it is skipped with one warning, and
+with Options.kernels="pytorch" it is not used: PyTorch's kernels (and model.py's layer loop) run instead.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from .. import options
 from .loading import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
@@ -79,12 +81,26 @@ def compile_kernel(out: Path, march: str) -> None:
         os.replace(built, out)
 
 
+ONE_ROW_TILES, TILE_ATTENTION = 1, 2  # the kernels' flags (skinny.cpp, fused_layers.cpp)
+
+
+def kernel(march: str | None = None) -> ctypes.CDLL | None:
+    """The kernel compiled for -march=`march` (default: Options.kernels, "native" being this CPU's own
+    instructions), built on first use; None where Options.kernels is "pytorch" or it cannot be built (with one
+    warning). Tests build older instruction sets too."""
+    march = march or options.current().kernels
+    return None if march == "pytorch" else built(march)
+
+
+def flags() -> int:
+    """The kernels' flags under the current options: exact puts one-row products on the AMX tiles (as every
+    other width) and keeps attention on the vector loops, token by token."""
+    o = options.current()
+    return ONE_ROW_TILES if o.exact else TILE_ATTENTION * o.tile_attention
+
+
 @functools.cache
-def kernel(march: str = "native") -> ctypes.CDLL | None:
-    """The kernel compiled for -march=`march` (default: this CPU's own instructions), built on first use; None
-    (with one warning) where it cannot be built or is off. Tests build older instruction sets too."""
-    if os.environ.get("DSPARK_SKINNY", "1") == "0":
-        return None
+def built(march: str) -> ctypes.CDLL | None:
     code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(code + " ".join(FLAGS).encode() + march.encode() + cpu_signature().encode()).hexdigest()
     path = cache_root() / "kernels" / f"skinny-{key[:16]}.so"
@@ -97,7 +113,7 @@ def kernel(march: str = "native") -> ctypes.CDLL | None:
                       stacklevel=2)
         return None
     for name in DTYPES.values():
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         getattr(lib, name).restype = None
     return lib
 
@@ -109,10 +125,10 @@ def kernel_name() -> str:
     return "pytorch" if lib is None else Path(lib._name).name
 
 
-def takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] @ weight.T takes the kernel: at most MAX_ROWS rows of bf16 or float32 on the CPU,
-    the weight's own dtype, no autograd, and the kernel built."""
-    return (x.numel() <= MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype and x.dtype in DTYPES and x.is_cpu
+def takes_skinny(x: torch.Tensor, weight: torch.Tensor, any_rows: bool = False) -> bool:
+    """Whether x [..., K] @ weight.T takes the kernel: at most MAX_ROWS rows (any number with `any_rows`) of bf16
+    or float32 on the CPU, the weight's own dtype, no autograd, and the kernel built."""
+    return ((any_rows or x.numel() <= MAX_ROWS * x.shape[-1]) and x.dtype == weight.dtype and x.dtype in DTYPES and x.is_cpu
             and not torch.is_grad_enabled() and kernel() is not None)
 
 
@@ -127,7 +143,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bias_ptr = None if bias is None else bias.data_ptr()
     packed_ptr = None if packed is None else packed.data_ptr()
     getattr(lib or kernel(), DTYPES[x.dtype])(rows.data_ptr(), weight.data_ptr(), packed_ptr, bias_ptr,
-                                              out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads())
+                                              out.data_ptr(), rows.shape[0], n, k, torch.get_num_threads(), flags())
     return out.view(*x.shape[:-1], n)
 
 
@@ -163,12 +179,12 @@ def identity(t: torch.Tensor) -> tuple[int, int]:
 
 
 def runs_tiles() -> bool:
-    """Whether bf16 products run on AMX's tiles here: this CPU's kernel runs them, and DSPARK_TILES is not 0 (which
-    saves the packed copies' memory; it counts where copies are made, so set it before the first forward)."""
-    return os.environ.get("DSPARK_TILES", "1") != "0" and kernel_runs_tiles()
+    """Whether bf16 products run on AMX's tiles here: this CPU's kernel runs them, and Options.tiles (False saves the
+    packed copies' memory)."""
+    lib = kernel()
+    return options.current().tiles and lib is not None and kernel_runs_tiles(lib)
 
 
 @functools.cache
-def kernel_runs_tiles() -> bool:
-    lib = kernel()
-    return lib is not None and bool(lib.skinny_tiles())
+def kernel_runs_tiles(lib: ctypes.CDLL) -> bool:
+    return bool(lib.skinny_tiles())

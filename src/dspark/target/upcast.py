@@ -72,12 +72,33 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False, rows: int | None = None):
-    """The kernel of products over x [..., d]: skinny.py's for few rows outside prefill, this module's float32
-    path for a prefill or at least `rows` rows (default MANY_ROWS) of bf16 weights where that is faster, else
-    onednn.py's choice. The target chooses once per forward, so a token's products do not depend on the layer."""
-    if not prefill and takes_skinny(x, weight):
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with float32 products of exactly MIN_ROWS rows each (the last block padded), so a
+    row's result depends on nothing else: exactness where skinny.cpp is not built (PyTorch's kernels only)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    n = rows.shape[0]
+    blocks = torch.cat((rows, rows.new_zeros(-n % MIN_ROWS, rows.shape[1]))).split(MIN_ROWS)
+    parts = []
+    for i in range(0, weight.shape[0], CHUNK):
+        w = weight[i:i + CHUNK].float()
+        parts.append(torch.cat([linear(block, w) for block in blocks]))
+    out = torch.cat(parts, 1)[:n]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False, rows: int | None = None,
+                   exact: bool = False):
+    """The kernel of products over x [..., d]: skinny.py's for few rows outside prefill (for any rows where `exact`:
+    its every output sums in one order whatever the rows, the target's contract under Options.exact), this module's
+    float32 path for a prefill or at least `rows` rows (default MANY_ROWS) of bf16 weights where that is faster,
+    else onednn.py's choice; where `exact` and skinny.cpp is not built, `blocked_linear`. The target chooses once per forward, so a token's products do not depend on the
+    layer."""
+    if (exact or not prefill) and takes_skinny(x, weight, any_rows=exact):
         return skinny_linear
+    if exact and x.is_cpu and not torch.is_grad_enabled():
+        return blocked_linear
     return upcast_linear if takes_upcast(x, prefill, rows) else linear
 
 

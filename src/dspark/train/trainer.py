@@ -205,7 +205,7 @@ class Trainer:
         the start, so that inference drafts from the tokens trained on; a resumed run reads it back."""
         path = self.out / DRAFT_VOCAB_FILE
         if self.state_path.is_file():
-            ids = load_draft_vocab(self.out, self.model.c.vocab_size, honour_env=False).tolist()
+            ids = load_draft_vocab(self.out, self.model.c.vocab_size, honour_options=False).tolist()
             if len(ids) != self.cfg.draft_vocab:
                 raise ValueError(f"{path} holds {len(ids)} tokens, not --draft-vocab {self.cfg.draft_vocab}")
         else:
