@@ -34,10 +34,20 @@ def first_turns(name: str, n: int) -> list[str]:
         return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
 
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def fixture_prompts() -> list[dict]:
+    """tests/fixtures/prompts.jsonl: {"kind", "prompt"} rows written for the tests."""
+    return [json.loads(line) for line in (FIXTURES / "prompts.jsonl").read_text().splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="session")
 def chat_prompts() -> list[str]:
-    """Four real prompts of different kinds: math, code and chat."""
-    return first_turns("gsm8k", 2) + first_turns("humaneval", 1) + first_turns("mt-bench", 1)
+    """Four prompts of different kinds from the fixtures: two math, one code, one chat."""
+    rows = fixture_prompts()
+    return [r["prompt"] for r in rows if r["kind"] == "math"][:2] + [
+        next(r["prompt"] for r in rows if r["kind"] == kind) for kind in ("code", "chat")]
 
 
 @pytest.fixture
@@ -96,4 +106,11 @@ def chat_ids(base_llm_fp32, chat_prompts) -> list[list[int]]:
 def solo_greedy(make_llm, chat_ids, greedy) -> list[list[int]]:
     """Greedy fp32 output ids of each chat prompt decoded alone, without drafts."""
     llm = make_llm()
+    return [llm.generate(ids, greedy)[0].token_ids for ids in chat_ids]
+
+
+@pytest.fixture(scope="session")
+def solo_greedy_bf16(llm_bf16, chat_ids, greedy) -> list[list[int]]:
+    """Greedy bf16 output ids of each chat prompt decoded alone, without drafts."""
+    llm = llm_bf16.sibling(max_num_seqs=1)
     return [llm.generate(ids, greedy)[0].token_ids for ids in chat_ids]

@@ -56,14 +56,24 @@ def test_committed_drafter_layout_and_size(name):
     assert ids is not None and len(ids) == 8192
 
 
-GREEDY_CASES = [(d, "fixed") for d in DRAFTERS] + [("dspark", s) for s in ("threshold", "algorithm1", "async")]
+GREEDY_CASES = [(d, "fixed") for d in DRAFTERS] + [("dspark", s) for s in ("threshold", "algorithm1", "async")] + [
+    ("lookup+dspark", "fixed")]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name,scheduler", GREEDY_CASES)
-def test_greedy_equals_plain_with_trained_drafters(name, scheduler, make_llm, chat_ids, solo_greedy, greedy):
-    llm = make_llm(str(drafter_dir(name)), scheduler, cost_table=COST, max_num_seqs=4)
+def test_greedy_equals_plain_with_trained_drafters(name, scheduler, dtype, make_llm, llm_bf16, chat_ids, solo_greedy,
+                                                  solo_greedy_bf16, greedy):
+    """Four prompts at once (verify widths differ by request and step) against each decoded alone without drafts,
+    token for token, in float32 and in bf16 (the numerics contract, test_exactness.py)."""
+    spec = ("lookup+" + str(drafter_dir(name.removeprefix("lookup+")))) if name.startswith("lookup+") else str(
+        drafter_dir(name))
+    if dtype == "fp32":
+        llm, expected = make_llm(spec, scheduler, cost_table=COST, max_num_seqs=4), solo_greedy
+    else:
+        llm, expected = llm_bf16.sibling(spec, scheduler, cost_table=COST, max_num_seqs=4), solo_greedy_bf16
     outs = llm.generate(chat_ids, greedy)
-    assert [o.token_ids for o in outs] == solo_greedy
+    assert [o.token_ids for o in outs] == expected
     accepted = sum(o.drafts_accepted for o in outs)
     assert accepted > 0  # the drafter really drafted and was right sometimes
 

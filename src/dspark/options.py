@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, fields, replace
 
-KERNEL_CHOICES = ("native", "x86-64-v3", "x86-64-v4", "sapphirerapids", "pytorch")
+# this CPU's own instructions; AVX2; AVX-512; AVX-512 BF16; AMX; none (PyTorch's kernels only)
+KERNEL_CHOICES = ("native", "haswell", "skylake-avx512", "cooperlake", "sapphirerapids", "pytorch")
 
 
 @dataclass(frozen=True)
