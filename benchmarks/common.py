@@ -1,5 +1,5 @@
 """Shared pieces of the benchmark scripts: where things are, what machine and commit ran, the eval prompts,
-timing summaries, and writing a result as JSON plus a markdown table (see ../shared/docs/BENCHMARKS.md)."""
+timing summaries, and writing a result as JSON plus a markdown table (see docs/benchmarks.md)."""
 from __future__ import annotations
 
 import datetime

@@ -1,5 +1,5 @@
 """Draft vocabularies side by side: each drafter with its draft vocabulary (draft_vocab.json: heads cut to the most
-frequent answer tokens) and with the whole vocabulary (DSPARK_DRAFT_VOCAB=0), single request, greedy, every system
+frequent answer tokens) and with the whole vocabulary (Options(draft_vocab=False)), single request, greedy, every system
 interleaved prompt by prompt with plain decoding: tokens/s, τ and the median drafting call.
 
     python benchmarks/draft_vocab.py                      # the four committed drafters, fixed γ, and DSpark's default
@@ -8,7 +8,6 @@ interleaved prompt by prompt with plain decoding: tokens/s, τ and the median dr
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, add_presets, 
                                markdown_table, result_header, result_preamble, run_interleaved)
 from benchmarks.drafters import eval_rows  # noqa: E402
 from benchmarks.peers import DsparkPeer  # noqa: E402
-from dspark import LLM  # noqa: E402
+from dspark import LLM, options  # noqa: E402
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark.draft import DEFAULT_DRAFTER_DIR  # noqa: E402
 
@@ -54,16 +53,10 @@ def systems(plain: LLM, args) -> dict[str, tuple[LLM, str, bool]]:
     runs = [(name, folder, "fixed") for name, folder in args.drafter_dirs.items()]
     if args.async_drafter:
         runs.append((f"{args.async_drafter}-async", args.drafter_dirs[args.async_drafter], "async"))
-    saved = os.environ.get("DSPARK_DRAFT_VOCAB")
     for name, folder, scheduler in runs:
         for cut in (True, False):
-            os.environ["DSPARK_DRAFT_VOCAB"] = "1" if cut else "0"  # read when the drafter loads
-            try:
+            with options.using(draft_vocab=cut):  # read when the drafter loads
                 llm = plain.sibling(folder, scheduler, max_num_seqs=1)
-            finally:
-                os.environ.pop("DSPARK_DRAFT_VOCAB")
-                if saved is not None:
-                    os.environ["DSPARK_DRAFT_VOCAB"] = saved
             if cut and llm.engine.drafter.model.draft_ids is None:
                 raise SystemExit(f"{folder} has no draft_vocab.json (dspark draft-vocab writes one)")
             out[name + ("" if cut else " (whole vocabulary)")] = (llm, name, cut)

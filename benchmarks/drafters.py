@@ -1,7 +1,7 @@
 """Trained drafters on the default target: acceptance length τ per eval set at temperature 0 and 1, position-wise
 conditional acceptance, and single-request speed against plain decoding (and llama.cpp where installed).
 
-    python benchmarks/drafters.py --drafters dspark=src/dspark/drafters/smollm2-dspark,dflash=PATH,eagle3=PATH,mtp=PATH
+    python benchmarks/drafters.py --drafters dspark=src/dspark/drafters/smollm2-135m-dspark,dflash=PATH,eagle3=PATH,mtp=PATH
     python benchmarks/drafters.py --quick --drafters dspark=PATH      # smoke test
 
 (a) τ = (accepted drafts + 1) per verify cycle, per eval set (first --prompts rows; MT-Bench rows answer both

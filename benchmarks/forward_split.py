@@ -2,7 +2,7 @@
 KV-cache writes, attention, residuals, and PyTorch's dispatch of each of those small ops), and what running the
 layers in one call to fused_layers.cpp saves.
 
-Three forwards of the same batch after a cached context, interleaved: model.py's layer loop (DSPARK_FUSED=0), the
+Three forwards of the same batch after a cached context, interleaved: model.py's layer loop (Options(fused=False)), the
 same loop whose products (every `Linear`, LM head included) return a precomputed tensor of the right shape
 without arithmetic, and the fused layers (where the model is fusable). The second is the loop's rest; the
 difference is its products. Also counts the torch calls the loop issues (TorchFunctionMode), so rest / calls is
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (RESULTS_DIR, Log, add_presets, apply_presets, finish, markdown_table,  # noqa: E402
                                result_header, result_preamble)
 from benchmarks.step_time import VerifyBench  # noqa: E402
-from dspark import LLM  # noqa: E402
+from dspark import LLM, options  # noqa: E402
 from dspark.target import model as target_model  # noqa: E402
 from dspark.target.fused_layers import model_weights  # noqa: E402
 
@@ -56,15 +55,8 @@ def products_skipped():
 @contextlib.contextmanager
 def fused(on: bool):
     """Decode and verify forwards through fused_layers.cpp (on) or model.py's layer loop inside the block."""
-    before = os.environ.get("DSPARK_FUSED")
-    os.environ["DSPARK_FUSED"] = "1" if on else "0"
-    try:
+    with options.using(fused=on):
         yield
-    finally:
-        if before is None:
-            del os.environ["DSPARK_FUSED"]
-        else:
-            os.environ["DSPARK_FUSED"] = before
 
 
 class CallCounter(TorchFunctionMode):
@@ -127,7 +119,7 @@ def markdown(result: dict) -> str:
             "us_per_call_of_rest", "ms_fused", "fused_speedup"]
     return (result_preamble(result) + f"\nContext {result['settings']['context']} tokens; medians of "
             f"{result['settings']['repeats']} x {result['settings']['timings']} timings per column, the forwards "
-            "interleaved. ms_forward: model.py's layer loop (DSPARK_FUSED=0); ms_rest: that loop with every product "
+            "interleaved. ms_forward: model.py's layer loop (Options(fused=False)); ms_rest: that loop with every product "
             "(LM head included) replaced by a precomputed tensor; ms_products = ms_forward - ms_rest; ms_fused: the "
             "layers in one call to fused_layers.cpp (none where the model is not fusable: the float32 weights "
             "of the bundled target are on a GGUF grid, whose groups the loop reads); fused_speedup = ms_forward / "

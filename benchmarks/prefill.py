@@ -1,6 +1,6 @@
 """Time to first token of one request on the bundled target (greedy, one request at a time): dspark's prefill as
 it runs by default (bf16 on AMX: fused_layers.cpp, `fused_layers.fuses_prefill`) against the same engine with
-DSPARK_FUSED=0 (PyTorch's layer loop with oneDNN products), transformers and llama.cpp where installed, each prompt
+Options(fused=False, exact=False) (PyTorch's layer loop with oneDNN products), transformers and llama.cpp where installed, each prompt
 through every system in turn (the order rotating), --repeats rounds.
 
     python benchmarks/prefill.py            # writes benchmarks/results/prefill.json and .md
@@ -16,7 +16,6 @@ default's.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,28 +29,22 @@ from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, add_presets, 
                                load_prompts, markdown_table, result_header, result_preamble, timed)
 from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_cpp_problem,  # noqa: E402
                               load_transformers)
-from dspark import LLM  # noqa: E402
+from dspark import LLM, options  # noqa: E402
 from dspark.target.fused_layers import MAX_TOKENS, fuses_prefill  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
 FULL = {"prompts": 10, "long": 6, "join": 4, "repeats": 3}
 QUICK = {"prompts": 1, "long": 1, "join": 2, "repeats": 1}
-FUSED, LOOP, HF, LLAMA = "dspark", "dspark, DSPARK_FUSED=0", "transformers", "llama.cpp"
+FUSED, LOOP, HF, LLAMA = "dspark", "dspark, layer loop (inexact)", "transformers", "llama.cpp"
 
 
 class LayerLoopPeer(DsparkPeer):
-    """The same engine with DSPARK_FUSED=0 while it runs: its prefill (and any step) in PyTorch's layer loop."""
+    """The same engine with Options(fused=False, exact=False) while it runs: its prefill (and any step) in PyTorch's
+    layer loop with oneDNN's (or upcast.py's float32) products, as before the numerics contract."""
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        before = os.environ.get("DSPARK_FUSED")
-        os.environ["DSPARK_FUSED"] = "0"
-        try:
+        with options.using(fused=False, exact=False):
             return super().generate(prompts, n)
-        finally:
-            if before is None:
-                del os.environ["DSPARK_FUSED"]
-            else:
-                os.environ["DSPARK_FUSED"] = before
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

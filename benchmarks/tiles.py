@@ -3,7 +3,7 @@ head for M rows, over the weights' copies packed for AMX's tiles (skinny.tiles) 
 them (vdpbf16ps, or the float32 path elsewhere); (2) each row's argmax of M rows of bf16 logits, argmax.cpp against
 torch.argmax; (3) whole verify forwards of R requests x 8 tokens, fused_layers.cpp against model.py's layer loop;
 (4) fused verify forwards of one request's M tokens (M > 1) with attention on the tiles (tile_attention.h) against
-the vector loops (DSPARK_TILE_ATTENTION=0). Each pair is timed interleaved, in rotated order; medians. Where the
+the vector loops (Options.tile_attention=False). Each pair is timed interleaved, in rotated order; medians. Where the
 CPU runs no tiles, the two columns of (1) and of (4) measure the same thing.
 
     python benchmarks/tiles.py            # bf16, M = 1, 2, 4, 8, 16, 32; R = 4, 8, 16, 32
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from benchmarks.common import (RESULTS_DIR, Log, add_presets, apply_presets, fin
                                result_header, result_preamble)
 from benchmarks.step_time import VerifyBench  # noqa: E402
 from benchmarks.forward_split import fused  # noqa: E402
-from dspark import LLM  # noqa: E402
+from dspark import LLM, options  # noqa: E402
 from dspark.target import fused_layers  # noqa: E402
 from dspark.target.argmax import argmax_rows  # noqa: E402
 from dspark.target.skinny import runs_tiles, skinny_linear, tiles  # noqa: E402
@@ -91,14 +90,10 @@ def argmax_rows_timed(model, args, log) -> list[dict]:
 
 @contextlib.contextmanager
 def tile_attention(on: bool):
-    """Fused forwards with attention on AMX's tiles or on the vector loops (DSPARK_TILE_ATTENTION, read by
-    fused_layers.cpp at each forward)."""
-    os.environ["DSPARK_TILE_ATTENTION"] = "1" if on else "0"
-    try:
-        with fused(True):
-            yield
-    finally:
-        os.environ.pop("DSPARK_TILE_ATTENTION")
+    """Fused forwards with attention on AMX's tiles or on the vector loops (Options.tile_attention; the tiles attend
+    only without Options.exact, so both sides run inexact)."""
+    with options.using(tile_attention=on, exact=False), fused(True):
+        yield
 
 
 def verify_rows(llm, args, log, part: str, queries: dict[int, list[int]], way) -> list[dict]:
@@ -137,9 +132,9 @@ def markdown(result: dict) -> str:
             "head for `size` rows, ms_new over the packed copies (skinny.tiles), ms_old without them. argmax: "
             "`size` rows of bf16 logits, ms_new argmax.cpp, ms_old torch.argmax. forward: a verify forward of "
             f"`size` tokens (requests of 8, after {s['context']} cached tokens, LM head included), ms_new "
-            "fused_layers.cpp, ms_old model.py's layer loop (DSPARK_FUSED=0). attention: a fused verify forward of "
+            "fused_layers.cpp, ms_old model.py's layer loop (Options.fused=False). attention: a fused verify forward of "
             f"one request's `size` tokens after {s['context']} cached tokens (LM head included), ms_new with attention "
-            "on AMX's tiles (tile_attention.h), ms_old on the vector loops (DSPARK_TILE_ATTENTION=0). "
+            "on AMX's tiles (tile_attention.h), ms_old on the vector loops (Options.tile_attention=False). "
             "speedup = ms_old / ms_new.\n\n"
             + markdown_table(result["rows"], ["part", "size", "ms_new", "ms_old", "speedup"]))
 
@@ -160,5 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DSPARK_FUSED", "1")
     raise SystemExit(main())

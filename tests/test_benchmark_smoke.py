@@ -1,7 +1,6 @@
 """The benchmark scripts still run end to end (tiny settings) and write the result files they promise."""
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -297,18 +296,21 @@ def test_dspark_peer_stops_at_eos_only_when_asked(base_llm_fp32):
 
 
 def test_prefill_quick_writes_result(tmp_path):
-    """benchmarks/prefill.py (time to first token, the default prefill against DSPARK_FUSED=0) end to end on the
-    bundled target, tiny settings; DSPARK_FUSED is as before afterwards."""
+    """benchmarks/prefill.py (time to first token, the default prefill against the inexact layer loop) end to end on
+    the bundled target, tiny settings; the options in force are as before afterwards."""
+    from dspark import options
+
     script = load_script(BENCHMARKS / "prefill.py")
     out = tmp_path / "prefill"
-    threads, before = torch.get_num_threads(), os.environ.get("DSPARK_FUSED")
+    threads, before = torch.get_num_threads(), options.current()
     try:
         assert script.main(["--quick", "--no-transformers", "--no-llama-cpp", "--threads", "1", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert os.environ.get("DSPARK_FUSED") == before
+    assert options.current() == before
     result = json.loads(out.with_suffix(".json").read_text())
-    assert result["benchmark"] == "prefill" and result["settings"]["systems"] == ["dspark", "dspark, DSPARK_FUSED=0"]
+    assert result["benchmark"] == "prefill" and result["settings"]["systems"] == ["dspark",
+                                                                                 "dspark, layer loop (inexact)"]
     groups = [r["group"] for r in result["rows"]]
     assert groups == [g for g in ("gsm8k", "humaneval", "mt-bench", "long (2 joined)") for _ in range(2)]
     mean = {r["group"]: r["prompt_tokens_mean"] for r in result["rows"]}

@@ -1,4 +1,4 @@
-"""STS calibration (METHOD.md §4): the metrics against hand computations, STS recovering known
+"""STS calibration (docs/method.md §4): the metrics against hand computations, STS recovering known
 temperatures on synthetic data (and the check failing without it), collection through the engine, and
 temperatures stored beside a drafter applied when it is loaded."""
 from __future__ import annotations

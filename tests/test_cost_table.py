@@ -1,4 +1,4 @@
-"""The SPS(B) cost table (METHOD.md §5): rounding up, extrapolation, the drafter's cost, online correction,
+"""The SPS(B) cost table (docs/method.md §5): rounding up, extrapolation, the drafter's cost, online correction,
 staircase detection, files, the monotone smoothing of profiled times, and profiling itself (the cached profile's
 key and repair, the `dspark profile` command, profiles wider than one step's prefill budget).
 """

@@ -1,4 +1,4 @@
-"""The DSpark drafter (METHOD.md §2) on a tiny random target: inference agrees with the teacher-forced
+"""The DSpark drafter (docs/method.md §2) on a tiny random target: inference agrees with the teacher-forced
 training forward (and its fused backbone with the layer loop), q is exactly softmax(U + Markov bias) and the drafts
 are sampled from it, the confidence head never reads x_k, the context is projected lazily, and the drafter runs
 losslessly inside the engine. Checkpoints: test_drafter_checkpoint.py.
@@ -64,7 +64,7 @@ def committed_request(drafter, slot: int, features: torch.Tensor, anchor_token: 
 
 
 def manual_bias(head, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None):
-    """METHOD.md §2 written out with the raw weights: (B(x_{k-1}, ·) [N, V], next RNN state)."""
+    """docs/method.md §2 written out with the raw weights: (B(x_{k-1}, ·) [N, V], next RNN state)."""
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight  # [V, r], [V, r]
     e = w1[prev]
     if head.kind == "vanilla":

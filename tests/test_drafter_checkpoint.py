@@ -1,4 +1,4 @@
-"""Drafter checkpoints follow the released layout (CHECKPOINT_FORMAT.md): the parameter table and config of every
+"""Drafter checkpoints follow the released layout (docs/checkpoint_format.md): the parameter table and config of every
 head kind, a bit-exact save/load round trip (float32 and bf16), a folder written by another tool loads, and a
 checkpoint for another target, or without its frozen weights and no target, is refused with a clear message."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def expected_shapes(kind: str, num_features: int = 3, layers: int = 1) -> dict[str, tuple[int, ...]]:
-    """CHECKPOINT_FORMAT.md's parameter table for the tiny drafter (Qwen3 layer shapes, 4 heads of 16)."""
+    """docs/checkpoint_format.md's parameter table for the tiny drafter (Qwen3 layer shapes, 4 heads of 16)."""
     d, r, V, kv = HIDDEN, RANK, VOCAB, 2 * 16
     shapes = {"embed_tokens.weight": (V, d), "lm_head.weight": (V, d), "fc.weight": (d, num_features * d),
               "hidden_norm.weight": (d,), "norm.weight": (d,)}

@@ -151,6 +151,10 @@ def test_prefills_unfusable_models_and_the_switch_keep_the_loop(fused_calls, mon
     run(random_target("llama", torch.float32), [([MAX_TOKENS // 3 + 1] * 3, False)])
     assert len(fused_calls) == 2
     fused_calls.clear()
+    wide = [MAX_TOKENS + 5] + [1] * (len(PROMPTS) - 1)  # one request wider than MAX_TOKENS: runs of its tokens
+    run(random_target("llama", torch.float32), [(wide, False)])
+    assert len(fused_calls) == 3
+    fused_calls.clear()
     use_options(fused=False)
     run(random_target("llama", torch.float32), STEPS[:1])
     assert not fused_calls

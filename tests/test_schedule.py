@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification (METHOD.md §4–5): Appendix A's counterexample as a statistical test,
+"""Confidence-scheduled verification (docs/method.md §4–5): Appendix A's counterexample as a statistical test,
 properties of Algorithm 1 and the asynchronous scheduler (hypothesis), and the engine's losslessness with every
 scheduler. The cost table and its profiling: test_cost_table.py.
 

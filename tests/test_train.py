@@ -1,4 +1,4 @@
-"""Drafter training (METHOD.md §3) on a tiny random target: anchors and the block attention mask, the
+"""Drafter training (docs/method.md §3) on a tiny random target: anchors and the block attention mask, the
 isolation of packed blocks, the loss against a hand computation, exact resume after a kill, and
 multi-process (DDP) training equal to one process.
 
@@ -115,7 +115,7 @@ def test_training_distribution_p_is_the_targets_next_token_distribution(tiny_tar
 
 # ---- loss -----------------------------------------------------------------------------------------
 def hand_loss(logits, p, labels, conf_logits, valid):
-    """METHOD.md §3 with plain Python loops: (total, ce, tv, conf, tau) averaged over valid blocks."""
+    """docs/method.md §3 with plain Python loops: (total, ce, tv, conf, tau) averaged over valid blocks."""
     M, G, V = logits.shape
     sums = {"ce": 0.0, "tv": 0.0, "conf": 0.0, "tau": 0.0}
     for m in range(M):

@@ -112,9 +112,12 @@ def test_record_seeds_differ_by_id_and_global_seed():
     assert len({record_seed("a", 0), record_seed("b", 0), record_seed("a", 1)}) == 3
 
 
-def test_interrupted_regeneration_resumes_to_the_same_records(make_llm, tmp_path):
-    # batches of 3, then of 2 and 3: each resumed answer shares its batches with other requests than before
-    wide, narrow = make_llm(max_num_seqs=3), make_llm(max_num_seqs=2)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_interrupted_regeneration_resumes_to_the_same_records(dtype, make_llm, llm_bf16, tmp_path, capsys):
+    """Batches of 3, then of 2 and 3: each resumed answer shares its batches with other requests than before, and is
+    the same record for record, in bf16 too (the numerics contract); a torn last line is cut off with a message."""
+    make = (lambda n: make_llm(max_num_seqs=n)) if dtype == "fp32" else (lambda n: llm_bf16.sibling(max_num_seqs=n))
+    wide, narrow = make(3), make(2)
     whole, pieces = tmp_path / "whole.jsonl", tmp_path / "pieces.jsonl"
     summary = regenerate(wide, RECORDS, whole, SETTINGS, progress=False)
     assert summary.written == len(RECORDS) and summary.answer_tokens > 0
@@ -125,6 +128,7 @@ def test_interrupted_regeneration_resumes_to_the_same_records(make_llm, tmp_path
         f.write('{"id": "t/4", "domain": "ch')  # a line torn by a kill
     second = regenerate(wide, RECORDS, pieces, SETTINGS, progress=False)
     assert second.already_done == first.written and first.written + second.written == len(RECORDS)
+    assert "torn record" in capsys.readouterr().err
 
     got, want = read_records(pieces), read_records(whole)
     assert len({r["id"] for r in got}) == len(got) == len(RECORDS)

@@ -78,20 +78,28 @@ def test_greedy_equals_plain_with_trained_drafters(name, scheduler, dtype, make_
     assert accepted > 0  # the drafter really drafted and was right sometimes
 
 
-DISTRIBUTION_CASES = [("dspark", "async")]  # 20,000 requests: 18 min on the 2-core machine of session 11
+# (drafter, scheduler, sampling, requests): the async scheduler at temperature 1 (20,000 requests, about 18 min on a
+# 2-core machine: `make test-long`), and DSpark verifying every draft at temperature 0.7 under a top-p cut, where a
+# token near the cut's edge is kept or dropped by the last bit of its logit: speculation computes that logit in a
+# verify forward, plain sampling in a decode forward, so this case holds only because they round alike (Options.exact)
+DISTRIBUTION_CASES = [
+    pytest.param("dspark", "async", SamplingParams(temperature=1.0), SAMPLES, marks=pytest.mark.long, id="t1-async"),
+    pytest.param("dspark", "fixed", SamplingParams(temperature=0.7, top_p=0.9), 6_000, marks=pytest.mark.slow,
+                 id="t0.7-top_p0.9-fixed")]
 
 
-@pytest.mark.long  # `make test-long`: it would add 60% to `make test` (about 30 min on the same machine)
-@pytest.mark.parametrize("name,scheduler", DISTRIBUTION_CASES)
-def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
+@pytest.mark.parametrize("name,scheduler,sampling,samples", DISTRIBUTION_CASES)
+def test_joint_matches_plain_sampling(name, scheduler, sampling, samples, llm_bf16):
+    """bf16: the joint of the first TOKENS tokens over `samples` seeded requests against the exact plain-sampling
+    joint (G-test)."""
     target, tokenizer = llm_bf16.engine.target, llm_bf16.tokenizer
-    params = SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True)
+    params = dataclasses.replace(sampling, max_tokens=TOKENS, ignore_eos=True)
     prompt = tokenizer.encode(REAL_PROMPT, add_special_tokens=False)
-    tree = TargetTree(target, prompt, params, SAMPLES, depth=TOKENS)
+    tree = TargetTree(target, prompt, params, samples, depth=TOKENS)
     config = EngineConfig(dtype="bf16", max_num_seqs=512, max_model_len=len(prompt) + TOKENS + 8)
     drafter = make_drafter(str(drafter_dir(name)), target=target, max_model_len=config.max_model_len)
     engine = LLMEngine(target, tokenizer, drafter, make_scheduler(scheduler, drafter.gamma, cost=NEARLY_FREE), config)
-    requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(SAMPLES)]
+    requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(samples)]
     while engine.has_unfinished():
         engine.step()
     assert all(r.finish_reason == "length" for r in requests)
@@ -101,5 +109,8 @@ def test_temperature_1_joint_matches_plain_sampling(name, scheduler, llm_bf16):
     verified = sum(sum(st.verified) for st in engine.stats)
     accepted = sum(sum(st.accepted) for st in engine.stats)
     trimmed = sum(sum(st.drafted) - sum(st.verified) for st in engine.stats)
-    assert verified > SAMPLES / 2 and 0 < accepted < verified and trimmed > 0  # drafts verified, some accepted, some cut
-    assert g_test(counts, probs) > ALPHA
+    assert verified > samples / 2 and 0 < accepted < verified  # drafts verified, some accepted
+    assert trimmed > 0 if scheduler == "async" else trimmed == 0  # the async budget cuts some; fixed verifies all
+    p_value = g_test(counts, probs)
+    print(f"{name} {scheduler} {sampling}: G-test p = {p_value:.4f} over {samples} requests")
+    assert p_value > ALPHA

@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS, METHOD.md §4) and the confidence metrics.
+"""Sequential temperature scaling (STS, docs/method.md) and the confidence metrics.
 
 Data: per request and verify step, the drafter's raw confidences c_1..c_γ, the drafts verified ℓ and the
 drafts accepted n. The event "x_1..x_k all accepted" is n >= k, known where ℓ >= k. STS fits T_1..T_γ left

@@ -5,81 +5,7 @@ import argparse
 import sys
 import time
 
-from .config import DTYPE_CHOICES, DTYPE_HELP
-from .schedule import SCHEDULERS
-
-
-def add_target_args(g):
-    g.add_argument("--target", default=None,
-                   help="target model: a Hugging Face folder, a .gguf file, or a hub id already in the local "
-                        "cache (default: the bundled SmolLM2-135M-Instruct, converted once to safetensors)")
-    g.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_options_args(g)
-
-
-def add_options_args(g):
-    """The fields of dspark.Options as flags (how the target computes)."""
-    from .options import KERNEL_CHOICES
-
-    g.add_argument("--kernels", default="native", choices=KERNEL_CHOICES,
-                   help="instruction set the compiled CPU kernels are built for (native: this CPU's own), or pytorch "
-                        "(PyTorch's kernels only) (default: %(default)s)")
-    g.add_argument("--inexact", action="store_true",
-                   help="let forwards of many tokens take kernels that round differently from decoding one token (on "
-                        "some CPUs faster prefills and wide batches); by default every row of every forward rounds "
-                        "as that token decoded alone, so speculation never changes an answer")
-    g.add_argument("--no-fused", action="store_true", help="run the target in PyTorch's layer loop")
-    g.add_argument("--no-tiles", action="store_true",
-                   help="no AMX tiles for bf16 products (saves their packed weight copies)")
-    g.add_argument("--no-tile-attention", action="store_true",
-                   help="no AMX tiles for attention (only matters with --inexact)")
-    g.add_argument("--no-groups", action="store_true",
-                   help="float32 weights on a GGUF grid are read dense, not as their groups")
-    g.add_argument("--no-draft-vocab", action="store_true",
-                   help="drafters draft over the whole vocabulary, ignoring their draft_vocab.json")
-
-
-def options_from_args(args):
-    """dspark.Options from the flags of add_options_args (defaults where a command has none of them)."""
-    from .options import Options
-
-    get = (lambda name: getattr(args, name, False))
-    return Options(exact=not get("inexact"), kernels=getattr(args, "kernels", "native"), fused=not get("no_fused"),
-                   tiles=not get("no_tiles"), tile_attention=not get("no_tile_attention"), groups=not get("no_groups"),
-                   draft_vocab=not get("no_draft_vocab"))
-
-
-def add_engine_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("model and engine")
-    add_target_args(g)
-    g.add_argument("--drafter", default="auto",
-                   help="draft model: auto (the bundled DSpark drafter where it fits the target, for one stream "
-                        "(generate) behind prompt lookup as lookup+default does, else prompt-lookup), default (the "
-                        "bundled DSpark drafter of SmolLM2-135M-Instruct), none (plain decoding), prompt-lookup "
-                        "(n-gram match against the context), the folder of a DSpark, DFlash or Eagle3-style drafter "
-                        "(config.json + model.safetensors, the released layout), or lookup+default / lookup+FOLDER "
-                        "(lookups where they find a draft: prompt lookup of a long repeat, up to 2γ drafts, and of 3- "
-                        "and 2-grams, the folder's datastore of the target's answers, prompt lookup of 1-grams; that "
-                        "drafter elsewhere, fixed γ; greedy steps verify every source's draft as one tree: on the bundled "
-                        "target the fastest single stream measured, 2.16x plain decoding (gsm8k 2.23x, humaneval "
-                        "2.06x) against prompt-lookup's 1.69x, benchmarks/results/drafters.md) "
-                        "(default: %(default)s)")
-    g.add_argument("--scheduler", default="auto", choices=SCHEDULERS,
-                   help="how many drafts each request verifies per step: auto (async where the drafter gives "
-                        "confidences, else fixed), fixed (all γ), plain (none), threshold (prefix survival >= "
-                        "--threshold), algorithm1 (METHOD.md's Algorithm 1) or async (the production scheduler: a "
-                        "budget from the confidences of two steps back, over the whole cost table; it skips the "
-                        "drafter on steps where no budget pays for the drafter's time) (default: %(default)s)")
-    g.add_argument("--gamma", type=int, default=7, help="draft block size γ; lookup+ drafters draft up to 2γ from a long repeat "
-                   "(default: %(default)s)")
-    g.add_argument("--cost-table", default=None,
-                   help="SPS(B) cost table from `dspark profile` for the algorithm1 and async schedulers (default: "
-                        "profiled once for this target, drafter and machine, and cached)")
-    g.add_argument("--threshold", type=float, default=0.5,
-                   help="prefix-survival threshold of the threshold scheduler (default: %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit in tokens (default: the target's max_position_embeddings)")
+from .cli_args import add_engine_args, check_args, llm_from_args, options_from_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser):
@@ -92,15 +18,6 @@ def add_sampling_args(p: argparse.ArgumentParser):
     g.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-
-
-def llm_from_args(args, **config):
-    """The LLM that the model-and-engine options describe."""
-    from . import LLM
-
-    return LLM(args.target, drafter=args.drafter, scheduler=args.scheduler, gamma=args.gamma, dtype=args.dtype,
-               threads=args.threads, max_model_len=args.max_model_len, cost_table=args.cost_table,
-               threshold=args.threshold, **config)
 
 
 def skipped_note(stats) -> str:
@@ -208,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from . import options
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problems = check_args(args)
+    for note in (p for p in problems if p.startswith("note: ")):
+        print(f"dspark: {note}", file=sys.stderr)
+    errors = [p for p in problems if not p.startswith("note: ")]
+    if errors:
+        parser.exit(2, "".join(f"dspark: error: {e}\n" for e in errors))
     try:
         options.use(options_from_args(args))
         return args.func(args)

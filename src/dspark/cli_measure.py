@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import add_engine_args, add_target_args, llm_from_args
+from .cli_args import add_engine_args, add_target_args, llm_from_args
 
 
 def cmd_calibrate(args) -> int:

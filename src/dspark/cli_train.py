@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import add_engine_args, llm_from_args
+from .cli_args import add_engine_args, llm_from_args
 
 
 def cmd_regenerate(args) -> int:
@@ -129,7 +129,7 @@ def switch(text: str) -> bool:
 def add_train_parser(sub):
     from dataclasses import MISSING, fields
 
-    from .train.trainer import TrainConfig
+    from .train.config import TrainConfig
 
     tr = sub.add_parser("train", help="train a DSpark, DFlash, Eagle3-style or MTP-1 drafter for a target",
                         description="Train a drafter against the frozen target on regenerated answers: target "
@@ -273,7 +273,7 @@ def add_draft_vocab_parser(sub):
                                     "frequent in the training answers. At load the drafter's LM head and Markov W2 "
                                     "keep only their rows, so drafting is cheaper; drafts never leave it, and q stays "
                                     "exactly what they are sampled from, so decoding stays lossless. "
-                                    "DSPARK_DRAFT_VOCAB=0 ignores the file. A drafter trained with --draft-vocab "
+                                    "--no-draft-vocab (dspark.Options.draft_vocab) ignores the file. A drafter trained with --draft-vocab "
                                     "keeps the vocabulary it was trained over (refused here).")
     dv.add_argument("--drafter", required=True, help="the drafter folder (written into)")
     dv.add_argument("--data", required=True, help="regenerated training JSONL (answer_ids), as for dspark train")

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "q4_1": torch.bfloat16}  # q4_1: 4-bit layer weights (target/q4_1.py), bf16 activations
+# the torch dtype of each name (q4_1: 4-bit layer weights, target/q4_1.py, with bf16 activations); names only here, so
+# the command line checks its flags without importing torch
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32", "q4_1": "bfloat16"}
+SCHEDULERS = ("auto", "fixed", "plain", "threshold", "algorithm1", "async")  # schedule/ makes them
 DTYPE_CHOICES = ["bf16", "fp32", "q4_1"]
 DTYPE_HELP = ("weights: bf16, fp32, or q4_1 (the layers' weights in 4 bits, groups of 32, bf16 activations: exactly "
               "the bundled GGUF's own Q4_1 weights, a 4-bit quantization of any other target) (default: %(default)s)")
@@ -27,8 +27,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
     def q4_1(self) -> bool:

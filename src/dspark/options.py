@@ -1,6 +1,6 @@
 """How dspark computes: one Options object, chosen once when an LLM (or the command line) loads a model.
 
-Every switch that used to be an environment variable is a field here. `LLM(options=...)` and the CLI's flags make
+Every switch of how dspark computes is a field here. `LLM(options=...)` and the CLI's flags make
 one Options and install it with `use`; the kernels and the model read it with `current()`; benchmarks write
 `asdict(current())` into their provenance. Nothing in the library reads the environment to decide how to compute.
 

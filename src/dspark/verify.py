@@ -1,4 +1,4 @@
-"""Lossless verification: chain rejection sampling over a ragged batch (METHOD.md §1).
+"""Lossless verification: chain rejection sampling over a ragged batch (docs/method.md).
 
 Request r verifies the first lengths[r] of its drafts (0 = plain decoding). Its target distributions
 sit in rows starts[r] .. starts[r] + lengths[r] of the flat p: row starts[r] + k is the target's

@@ -24,12 +24,11 @@ def default_fits(target) -> bool:
 
 def lookup_sources(folder: Path, gamma: int) -> list:
     """What lookup+FOLDER looks up first: prompt lookup of a long repeat (the last 10-12 tokens occurred before: up
-    to 2 gamma drafts; ad hoc, in a replay of 80 gsm8k and humaneval answers, such steps accepted 7.0-7.7 tokens of 14
-    where 7 drafts gave 4.5-4.8), then prompt lookup of 3- to 1-grams. Where the folder has a datastore of the
-    target's answers (datastore.npz), it comes after the 3- and 2-grams (matches of 2 tokens or more whose first
-    continuation most of them share), before the 1-grams: the order of their accepted tokens per step (ad hoc, the
-    bundled drafter's, 16 gsm8k and humaneval answers, greedy, bf16: 2.40 after prompt lookup's 3- and 2-grams,
-    0.99 from the datastore, 0.66 after 1-grams, 0.65 from DSpark where none found a draft)."""
+    to 2 gamma drafts, as such a repeat tends to go on past gamma tokens), then prompt lookup of 3- to 1-grams.
+    Where the folder has a datastore of the target's answers (datastore.npz), it comes after the 3- and 2-grams
+    (matches of 2 tokens or more whose first continuation most of them share), before the 1-grams: the sources are
+    ordered by how many tokens their drafts get accepted a step, and the drafter drafts where none finds a draft
+    (benchmarks/results/drafters.md: lookup+dspark)."""
     long_repeat = PromptLookupDrafter(2 * gamma, max_ngram=12, min_ngram=10)
     path = folder / "datastore.npz"
     if not path.is_file():

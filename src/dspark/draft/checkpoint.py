@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the released DeepSpec layout (CHECKPOINT_FORMAT.md): config.json (the target's
+"""Drafter checkpoints in the released DeepSpec layout (docs/checkpoint_format.md): config.json (the target's
 config plus drafter fields) and model.safetensors. Ours carry only the trainable weights by default; the
 frozen embedding and LM head come from the target at load time (`export_frozen=True` writes them too, for
 engines that expect them). Extras (calibration, training state) live in separate files beside them."""
@@ -12,18 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .dspark_model import DSparkModel
+from .dspark_model import DSparkModel, build_target_layer_ids  # noqa: F401 (re-exported)
 from .eagle3_model import EAGLE3_ARCHITECTURE, Eagle3Model
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
-
-
-def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """Evenly spaced target layers from the second to the third-from-last (DFlash's choice)."""
-    if num_features == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
 
 
 def draft_config(target_config: dict, *, num_layers: int = 1, block_size: int = 7, markov_rank: int = 64,

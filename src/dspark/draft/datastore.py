@@ -3,16 +3,15 @@ own answers, draft the continuation most of those occurrences share. No forward 
 over text the target wrote for other prompts: the phrases a small model repeats from answer to answer.
 
 The bundled drafter's datastore (`datastore.npz`) holds the target's answers to training prompts, no evaluation
-prompt among them: the answers the drafter was trained on, and two more draws of answers to every code prompt of
-the pool (`dspark regenerate --mix code=1`, seeds 1 and 2; drafters/training_answers.py builds it). With 0.71 M tokens
-the default read humaneval τ 2.67 (2.01x plain), with 1.48 M 2.80 (2.06x), gsm8k 2.99 and 2.98 (benchmarks/results/
-drafters.md at 9987a63 and d42c935, 25 prompts a set). Every answer position is one entry, keyed by the
-`max_ngram` tokens before it read backwards; the entries sorted by that key, the occurrences of the context's last
-n tokens are one run of entries, found by narrowing the run one token at a time (binary searches on sorted key
-columns, no hash table). The draft follows the most common next token among the run's entries (at most `sample`
-of them, spread over the run), keeps the entries that agree, and goes on until the continuations end. Where fewer
-than `agree` of the run's entries share the first token, or the match is shorter than `min_ngram`, it drafts
-nothing (another source drafts there).
+prompt among them: the answers the drafter was trained on, and two more draws of answers to every code prompt of the
+pool (`dspark regenerate --mix code=1`, seeds 1 and 2; drafters/training_answers.py builds it), about 1.49 M tokens
+in all (benchmarks/results/drafters.md has lookup+dspark by prompt set). Every answer position is one entry, keyed
+by the `max_ngram` tokens before it read backwards; the entries sorted by that key, the occurrences of the context's
+last n tokens are one run of entries, found by narrowing the run one token at a time (binary searches on sorted key
+columns, no hash table). The draft follows the most common next token among the run's entries (at most `sample` of
+them, spread over the run), keeps the entries that agree, and goes on until the continuations end. Where fewer than
+`agree` of the run's entries share the first token, or the match is shorter than `min_ngram`, it drafts nothing
+(another source drafts there).
 """
 from __future__ import annotations
 

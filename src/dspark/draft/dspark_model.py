@@ -1,7 +1,7 @@
-"""The DSpark drafter (METHOD.md §2): a parallel backbone that drafts a block in one forward, a cheap
+"""The DSpark drafter (docs/method.md): a parallel backbone that drafts a block in one forward, a cheap
 sequential head (Markov, gated Markov or RNN) and a confidence head. With markov_rank 0 it is DFlash.
 
-Parameter names follow the released layout (CHECKPOINT_FORMAT.md). The backbone's layers are Qwen3-style
+Parameter names follow the released layout (docs/checkpoint_format.md). The backbone's layers are Qwen3-style
 (per-head q/k norms) whatever the target family; context features enter every layer as extra keys and
 values: K = [W_K H_ctx; W_K H_d], V = [W_V H_ctx; W_V H_d], with H_ctx = RMSNorm(fc([H^(l_1); ...])).
 """
@@ -27,6 +27,14 @@ def config_namespace(config: dict) -> SimpleNamespace:
     ns.head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return ns
 
+
+
+def build_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced target layers from the second to the third-from-last (DFlash's choice)."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
 
 class DraftAttention(nn.Module):
     def __init__(self, c, layer_idx: int, in_features: int | None = None):
@@ -79,7 +87,7 @@ class DraftLayer(nn.Module):
 
 class MarkovHead(nn.Module):
     """B(x_{k-1}, ·): vanilla W2 W1[x_{k-1}]; gated W2(σ(gate([h_k; W1[x]])) ⊙ W1[x]); or an RNN whose
-    state s_k carries the block's history (METHOD.md §2)."""
+    state s_k carries the block's history (docs/method.md)."""
 
     def __init__(self, c):
         super().__init__()

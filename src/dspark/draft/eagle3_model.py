@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..target.model import RMSNorm
-from .dspark_model import Attend, DraftAttention, DraftMLP, FeatureDrafterModel
+from .dspark_model import Attend, DraftAttention, DraftMLP, FeatureDrafterModel, build_target_layer_ids
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -76,7 +76,6 @@ class Eagle3Model(FeatureDrafterModel):
 def eagle3_config(target_config: dict, *, block_size: int = 7, num_features: int = 3, mtp: bool = False,
                   num_anchors: int = 64) -> dict:
     """A config.json for an Eagle3-style drafter (mtp: MTP-1, the last target layer, one step)."""
-    from .checkpoint import build_target_layer_ids
 
     cfg = {k: v for k, v in target_config.items() if k not in ("quantization_config", "_name_or_path")}
     n_target = target_config["num_hidden_layers"]

@@ -7,10 +7,10 @@ verification treats exactly as a point mass. In a step of greedy requests, every
 merged into a draft tree (tree.py); otherwise the first source's.
 
 On the bundled target, text that repeats itself (numbers restated in a math answer, names in code) is common,
-and a lookup draft costs nothing to make (0.04 ms), while a drafter call costs a third of a target step on a CPU
-(ad hoc, the bundled drafter on a 2-core AMX Xeon, 16 gsm8k and humaneval answers: a propose with its context
-projection 4.0 ms median, a plain decoding step 10.6 ms). There (ad hoc, same run) lookup drafts were accepted
-for 1.0 tokens a step after a 1-gram match, 1.6 after a 2-gram and 2.1 after a 3-gram, DSpark's for 1.1.
+and a lookup draft costs next to nothing to make (no forward), while a drafter call costs a good share of a target
+step on a CPU (benchmarks/results/draft_vocab.md: draft_ms). Alone, prompt lookup is accepted for more tokens a
+step than the bundled drafter, and lookups first with DSpark elsewhere is the fastest single stream of the bundled
+target measured (benchmarks/results/drafters.md: prompt-lookup, dspark, lookup+dspark).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Prompt lookup: draft the tokens that followed the latest earlier occurrence of the context's last
 n-gram (longest n first). Drafts are point masses, so verification accepts x with probability p(x).
 
-The search runs over the context as bytes (4 per token) with bytes.rfind, in C: a lookup of 3- to 1-grams in a
-context of ~240 tokens takes ~10 us (ad hoc), where comparing list slices took 30-90 us."""
+The search runs over the context as bytes (4 per token) with bytes.rfind, in C, which is several times faster
+than comparing list slices in Python."""
 from __future__ import annotations
 
 from array import array

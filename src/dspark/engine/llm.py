@@ -48,7 +48,7 @@ class LLM:
 
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
         max_len = self.config.max_model_len or model.config.max_position_embeddings
-        single_stream = self.config.max_num_seqs == 1 and scheduler in ("auto", "fixed")  # "auto": lookup first
+        single_stream = self.config.max_num_seqs == 1 and scheduler == "auto"  # auto and auto: lookups first
         made = make_drafter(drafter, gamma, model, max_len, single_stream)
         if isinstance(made, LookupFirstDrafter):  # its sources cut their own drafts (a long repeat's to 2 gamma)
             gamma = made.gamma

@@ -1,6 +1,6 @@
 """The engine loop: continuous batching with speculative decoding, one step at a time.
 
-A step admits waiting requests (prefill), then runs the data path of DESIGN.md for every running
+A step admits waiting requests (prefill), then runs the data path of docs/design.md for every running
 request: draft -> plan -> verify -> accept -> commit -> emit.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@ from .base import FixedLength, Scheduler
 from .cost_table import CostTable
 from .prefix import PrefixScheduler
 from .threshold import ThresholdScheduler
+from ..config import SCHEDULERS
 
-SCHEDULERS = ("auto", "fixed", "plain", "threshold", "algorithm1", "async")
 NEEDS_COST_TABLE = ("algorithm1", "async")
 
 
@@ -18,7 +18,7 @@ def resolve_auto(spec, drafter) -> str:
 
 def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshold: float = 0.5) -> Scheduler:
     """A Scheduler from a name or an instance: fixed (verify γ drafts), plain (none), threshold (prefix
-    survival >= threshold), algorithm1 (METHOD.md's Algorithm 1) or async (the production scheduler); the
+    survival >= threshold), algorithm1 (Algorithm 1 of docs/method.md) or async (the production scheduler); the
     last two need the SPS(B) cost table."""
     if isinstance(spec, Scheduler):
         return spec

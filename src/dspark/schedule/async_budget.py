@@ -1,4 +1,4 @@
-"""The asynchronous production scheduler (METHOD.md §5): the budget of step N, K extra verify positions,
+"""The asynchronous production scheduler (docs/method.md): the budget of step N, K extra verify positions,
 comes from the confidences of step N−2 by a global search over the whole cost table (no early stop, so
 it crosses local dips of a staircase); the drafts of step N are then allocated by top-K on their prefix
 survival, ties to the earlier position. The budget never reads the current drafts, and a later draft

@@ -1,4 +1,4 @@
-"""The SPS(B) cost table (METHOD.md §5): the real time of one engine step as a function of the verify batch
+"""The SPS(B) cost table (docs/method.md): the real time of one engine step as a function of the verify batch
 B = Σ_r (1 + ℓ_r), split as the engine spends it: verify forward plus sampling, a function of B, and the
 next drafter call, a function of the number of requests R and of its depth (the positions it samples per
 request: the backbone drafts the whole block in one forward, the LM head and the sequential head run once
@@ -54,7 +54,7 @@ class CostTable:
 
     @classmethod
     def from_sps(cls, sps: dict[int, float], **meta) -> "CostTable":
-        """A table from steps per second at each B (no drafter term), e.g. METHOD.md's Appendix A."""
+        """A table from steps per second at each B (no drafter term), e.g. Appendix A's example (docs/method.md)."""
         sizes = sorted(sps)
         return cls(sizes, [1.0 / sps[b] for b in sizes], meta=meta)
 

@@ -1,4 +1,4 @@
-"""Algorithm 1 (METHOD.md §5), exactly: add drafts in order of prefix survival while the expected output per
+"""Algorithm 1 (docs/method.md), exactly: add drafts in order of prefix survival while the expected output per
 second Θ = τ · SPS(B) improves, and stop at the first candidate that does not improve it.
 
 The early stop keeps the decision causal: whether draft x_j is verified is decided before any candidate

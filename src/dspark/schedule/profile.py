@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..draft.base import Proposal
 from ..engine.llm_engine import LLMEngine
-from ..target.loading import cache_root
+from ..cache import cache_root
 from ..target.skinny import kernel_name
 from ..sampling import SamplingParams, param_tensors, warp
 from ..verify import rejection_sample
@@ -97,8 +97,8 @@ def profile_engine(engine: LLMEngine, max_requests: int = 64, context: int = 128
 
 def monotone(seconds: list[float]) -> list[float]:
     """The non-decreasing sequence nearest to `seconds` in least squares (pooling adjacent violators): a verify of
-    more tokens never costs less, but a profile's noise can say so (B = 1..8 on a busy 2-core EPYC: 26.3, 32.3,
-    37.2, 34.5, 31.6, 28.6, 31.0, 32.0 ms), and a scheduler would then take the dips for real."""
+    more tokens never costs less, but a profile's noise can say so (on a busy machine especially), and a
+    scheduler would then take the dips for real."""
     blocks: list[list[float]] = []  # [mean, count]
     for t in seconds:
         blocks.append([t, 1])

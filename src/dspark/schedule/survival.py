@@ -1,4 +1,4 @@
-"""Prefix survival and the orders the confidence schedulers rank drafts in (METHOD.md §5).
+"""Prefix survival and the orders the confidence schedulers rank drafts in (docs/method.md).
 
 a[r, j] = Π_{i<=j} c[r, i]: the probability that drafts 1..j of request r all survive verification, non-
 increasing in j. Candidates are ranked by a descending, ties to the earlier position, so that a later draft

@@ -4,9 +4,8 @@ blocks, and all concurrent HTTP requests are batched together.
 Which thread: PyTorch's CPU kernels run on OpenMP thread teams, one team per thread that starts parallel work,
 and when the teams together have more threads than there are cores, their threads stop spinning between
 kernels and sleep, so every kernel pays a wake-up. The engine loop is therefore best run on the thread that
-loaded the model (`run`, as `dspark serve` does); `start` runs it on a new thread (in-process servers, tests).
-Measured (ad hoc, fp32, 16 requests, 2 cores): the same generation took 5.0 s on the loading thread and 8.3-10.6 s
-on a second thread.
+loaded the model (`run`, as `dspark serve` does), so that one team does all the work; `start` runs it on a new
+thread (in-process servers, tests), whose second team pays those wake-ups where the cores are few.
 
 Requests are built and checked on the caller's thread (`LLMEngine.new_request`), handed to the engine
 thread through a queue, and their outputs come back through an asyncio queue per request. Cancelling a

@@ -1,7 +1,8 @@
-"""Each row's argmax through argmax.cpp: greedy decoding reads nothing else of the logits. PyTorch's argmax over a
-verify forward's bf16 logits (8 rows of 49,152) took 0.71 ms on a 2-core Xeon with AMX, argmax.cpp 0.029 ms
-(benchmarks/results/tiles.md), so in bf16 it cost a twentieth of a step's forward. The same index as torch.argmax (the first
-largest value; a NaN counts as the largest); where the kernel is not built, torch.argmax runs."""
+"""Each row's argmax through argmax.cpp: greedy decoding reads nothing else of the logits. Over a verify forward's
+bf16 logits (rows of 49,152) PyTorch's argmax costs about a twentieth of an 8-token forward on a 2-core Xeon with AMX,
+argmax.cpp a small fraction of that (benchmarks/results/tiles.md: argmax, forward and attention). The same index as
+torch.argmax (the first largest value; a NaN counts as the largest); where the kernel is not built, torch.argmax
+runs."""
 from __future__ import annotations
 
 import ctypes

@@ -1,23 +1,21 @@
 """Decode and verify forwards through every decoder layer in one call to fused_layers.cpp.
 
 model.py's layer loop runs some twenty PyTorch operations a layer between its products, each a dispatch and a
-pass over a few rows; on a small model that costs as much as the products. Measured on a 2-core Xeon with AMX
-(ad hoc, SmolLM2-135M bf16, after 300 cached tokens, medians of 25): a 1-token forward 19.5 ms of which its
-products 10.7 ms, an 8-token forward 26.0 ms of which 14.6 ms. fused_layers.cpp runs the same layers with
-skinny.cpp's products and vector loops between them: benchmarks/results/forward_split.md (same machine, medians
-of 75 interleaved timings, at 6499499) has the loop against it at 18.4 -> 9.62 ms for 1 token (1.92x), 22.0 ->
-11.6 ms for 4 (1.89x) and 23.5 -> 12.7 ms for 8 (1.85x).
+pass over a few rows; on a small model they take over a quarter of a bf16 decode or verify forward
+(benchmarks/results/forward_split.md: rest_share, on a 2-core Xeon with AMX). fused_layers.cpp runs the same
+layers with skinny.cpp's products and vector loops between them: forward_split.md has it 1.92x as fast as the loop
+for 1 token, 1.89x for 4 and 1.85x for 8 (fused_speedup).
 
 It takes decode and verify forwards of at most MAX_TOKENS tokens of models whose weights are dense bf16 or float32
 (not GGUF groups) with sizes that are multiples of 16, where skinny.cpp is built and Options.fused holds; model.py
 splits wider forwards into such calls. Prefills come here where `fuses_prefill` says so (under Options.exact
-wherever the layers fuse; otherwise bf16 targets on AMX's tiles, where it was faster than the loop:
+wherever the layers fuse; otherwise bf16 targets on AMX's tiles, where it is faster than the loop:
 benchmarks/results/prefill.md), request by request in chunks of at most MAX_TOKENS. Results equal model.py's loop
 within rounding (the order of float32 sums differs; tested), and a token's results depend on its own row alone,
 as with skinny.cpp's products; `attend_tokens` gives the loop the same attention where Options.exact holds.
-A DSpark or DFlash drafter's backbone runs here too
-(draft/dspark.py): its layers have the same shape, with separate q, k, v and gate, up weights, which are joined into
-copies once (`joined`); on the bundled drafter that took a propose from 4.9 to 4.0 ms (ad hoc medians).
+A DSpark or DFlash drafter's backbone runs here too (draft/dspark.py): its layers have the same shape, with separate
+q, k, v and gate, up weights, which are joined into copies once (`joined`), as fused_layers.cpp reads one qkv and
+one gate_up weight a layer.
 """
 from __future__ import annotations
 
@@ -37,9 +35,9 @@ FUNCTIONS = {torch.bfloat16: "fused_layers_bf16", torch.float32: "fused_layers_f
 ATTEND = {torch.bfloat16: "attend_tokens_bf16", torch.float32: "attend_tokens_f32"}
 MAX_HEAD_DIM = 256  # fused_layers.cpp holds a head's query in registers
 # forwards of more tokens take model.py's loop. fused_layers.cpp reads the weights once per 32 tokens, PyTorch's
-# products once; benchmarks/results/tiles.md (2-core AMX Xeon, SmolLM2-135M bf16, requests of 8 tokens after 200
-# cached, interleaved) has loop -> fused at 32 tokens 48.1 -> 23.0 ms, 64 65.6 -> 38.4, 128 96.1 -> 62.6, 256
-# 161.2 -> 123.2 (with products of 16 rows at a time, 192 and 256 tokens had been faster in the loop, ad hoc)
+# products once, so the fused forward's lead shrinks with the tokens; benchmarks/results/tiles.md (2-core AMX Xeon,
+# SmolLM2-135M bf16, requests of 8 tokens after 200 cached; part forward) has it ahead up to 256 tokens, the widest
+# measured, 1.71x there
 MAX_TOKENS = 256
 
 

@@ -5,11 +5,10 @@ The bundled target comes from a GGUF whose layers are Q4_1 (groups of 32 along t
 weights are exactly those dequantized values, so they can be held in those groups again (5 and 8.5 bits per weight
 instead of 32) and decoded inside skinny.cpp's float32 tiles to the very same float32 values: the products, and
 so the whole forward, are bit-identical to the float32 forward over the dense weights (tested), while a one-token
-forward reads about a sixth of the bytes. Measured on the 2-core AMX Xeon (ad hoc, all of SmolLM2-135M's products,
-2 threads, medians of 15): 1 row 17.8 -> 6.8 ms, 4 rows 20.5 -> 8.0 ms, 8 rows 23.9 -> 14.8 ms, 16 rows 34.4 ->
-28.6 ms. The gain shrinks with the rows because the float32 multiply-adds themselves take the time there:
-decoding each weight once into a buffer for more than 4 rows, instead of once per tile of 4 rows, was slower (8
-rows 15.1 -> 17.2 ms, ad hoc), so the tiles decode in place.
+forward reads about a sixth of the bytes, and its products take a fraction of the dense float32 time. The gain
+shrinks with the rows because the float32 multiply-adds themselves take the time there; decoding each weight once
+into a buffer for more than 4 rows, instead of once per tile of 4 rows, is slower still, so the tiles decode in
+place.
 
 A weight is held in groups only if its float32 values are found again bit for bit (`hold_groups` checks every
 group), which holds for weights that came from such a GGUF and practically never otherwise: other targets, and
@@ -19,11 +18,9 @@ turns this off.
 Drafters' LM heads are held in the nearest Q8_0 groups whatever their dtype (`hold_head_groups`; not exact, and
 need not be: a drafter's q is what it returns and samples from, so drafting stays lossless). A drafter call one
 position deep (the async scheduler's short drafts) multiplies one row per request by the whole head, in bf16 56 MB
-for SmolLM2's 49,152 x 576. Measured on a 2-core EPYC with AVX-512 BF16 (ad hoc, the bundled drafter's head,
-2 threads, the two alternated, medians of 30): 2 rows 1.65 ms in Q8_0 groups against 3.0 ms in bf16, 3 rows 1.85
-/ 3.3, 4 rows 2.2 / 3.4, but 5 rows 3.6 / 3.4 and 7 rows 4.2 / 3.6 (past one 4-row tile the groups are decoded
-twice); so up to HEAD_ROWS rows read the groups. For the bundled target they are the GGUF's own values, of which
-its bf16 head is a rounding.
+for SmolLM2's 49,152 x 576. Q8_0 groups read about half those bytes, which pays while the rows fit one 4-row tile;
+past it the groups are decoded twice and the bf16 head is as fast or faster, so up to HEAD_ROWS rows read the
+groups. For the bundled target they are the GGUF's own values, of which its bf16 head is a rounding.
 """
 from __future__ import annotations
 

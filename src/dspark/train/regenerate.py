@@ -72,6 +72,8 @@ def read_done(path: Path) -> set[str]:
     if end < len(data):
         with open(path, "r+b") as f:
             f.truncate(end)
+        say(f"regenerate: {path} ended in a torn record ({len(data) - end} bytes, left by a kill): cut off, its prompt "
+            "is answered again")
     done = set()
     for n, line in enumerate(data[:end].splitlines(), 1):
         if line.strip():
@@ -87,7 +89,8 @@ def check_meta(path: Path, meta: dict):
     meta_path = path.with_name(path.name + ".meta.json")
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
-        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        same = (lambda k, a, b: Path(str(a)).name == Path(str(b)).name if k == "target" else a == b)  # any cache folder
+        diff = {k: (old.get(k), v) for k, v in meta.items() if not same(k, old.get(k), v)}
         if diff:
             changes = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
             raise ValueError(f"{path} was made with other settings ({changes}); resume with the same settings "
