@@ -19,9 +19,11 @@ demo: install
 	$(VENV)/bin/dspark generate --max-tokens 200 "$(PROMPT)"
 
 test: install
+	@echo "make test: the whole suite, statistical tests included (about 25 minutes on 2 cores; pytest prints the time)"
 	$(PY) -m pytest -q
 
 test-fast: install
+	@echo "make test-fast: the suite without the slow tests, for the edit-test loop"
 	$(PY) -m pytest -q -m "not slow and not long"
 
 test-long: install

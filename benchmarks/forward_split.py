@@ -55,7 +55,7 @@ def products_skipped():
 @contextlib.contextmanager
 def fused(on: bool):
     """Decode and verify forwards through fused_layers.cpp (on) or model.py's layer loop inside the block."""
-    with options.using(fused=on):
+    with options.using(fused=on, exact=options.current().exact and on):  # the loop as PyTorch's products run it
         yield
 
 

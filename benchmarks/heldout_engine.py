@@ -101,7 +101,7 @@ class TeacherForced:
     def __init__(self, drafter_dir: str, target, max_len: int):
         self.target, self.max_len = target, max_len
         self.model = load_drafter(drafter_dir, target, dtype=torch.float32)
-        ids = load_draft_vocab(drafter_dir, self.model.c.vocab_size, honour_env=False)
+        ids = load_draft_vocab(drafter_dir, self.model.c.vocab_size, honour_options=False)
         self.vocab = TrainingVocab(ids, self.model.lm_head) if ids is not None else None
 
     def score(self, ids: list[int], *anchor_sets: list[int]) -> list[tuple[float, float, int]]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dspark.target.upcast as upcast
+from dspark import SamplingParams
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch
 from test_skinny import cpu_has, needs_kernel
@@ -43,7 +44,8 @@ class Rows:
     def __init__(self, llm, prompt: str):
         self.target = llm.engine.target
         self.prompt = llm.chat_prompt(prompt)
-        self.seq = self.prompt + llm.generate(self.prompt, None)[0].token_ids[:CONTINUATION]
+        greedy = SamplingParams(temperature=0, max_tokens=CONTINUATION, ignore_eos=True)
+        self.seq = self.prompt + llm.generate(self.prompt, greedy)[0].token_ids
 
     def cache(self) -> KVCache:
         c = self.target.config
@@ -140,8 +142,10 @@ def test_every_row_rounds_as_the_token_decoded_alone(dtype, path, chat_prompts, 
         assert differing(rows.chain(width), alone) == 0, f"width {width}"
     assert differing(rows.prefilled(), alone) == 0, "prefill"
     assert differing(rows.beside(rows.prompt[:12]), alone) == 0, "beside another request"
-    P = len(rows.prompt)
+    P, late = len(rows.prompt), len(rows.seq) - 5
     assert differing(rows.tree(P + 5), alone[6:10]) == 0, "draft tree"
+    assert late > 63  # past the keys a tree's bits can hide: those before stay in place, the rest are gathered
+    assert differing(rows.tree(late), alone[late - P + 1:late - P + 5]) == 0, "draft tree after 63 keys"
 
 
 @needs_kernel

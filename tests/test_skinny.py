@@ -93,9 +93,11 @@ def test_packed_weights_give_the_product_and_rows_alone(exact, use_options):
         x = torch.randn(AMX_MAX_ROWS + 8, k, generator=g).bfloat16()
         for b in (None, layer.bias):
             full = skinny_linear(x, layer.weight, b, packed=packed)
-            exact = torch.nn.functional.linear(x.double(), layer.weight.double(), None if b is None else b.double())
-            assert (full.double() - exact).abs().max() <= 1e-2 * exact.abs().max(), (n, k)
+            ref = torch.nn.functional.linear(x.double(), layer.weight.double(), None if b is None else b.double())
+            assert (full.double() - ref).abs().max() <= 1e-2 * ref.abs().max(), (n, k)
             for rows in range(1 if exact else 2, AMX_MAX_ROWS + 8):
+                if not exact and rows % AMX_MAX_ROWS == 1:
+                    continue  # a lone last row of 32: on vdpbf16ps without the contract
                 assert torch.equal(skinny_linear(x[:rows], layer.weight, b, packed=packed), full[:rows]), (n, k, rows)
             assert torch.equal(skinny_linear(x[AMX_MAX_ROWS + 3:AMX_MAX_ROWS + 4], layer.weight, b, packed=packed),
                                full[AMX_MAX_ROWS + 3:AMX_MAX_ROWS + 4]) == exact, (n, k)

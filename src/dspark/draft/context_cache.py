@@ -48,7 +48,7 @@ class ContextCacheDrafter(Drafter):
         raise NotImplementedError
 
     def attend(self, batch: FlatBatch):
-        return lambda layer, q, k, v: cached_attention(layer, q, k, v, batch, self.cache)
+        return lambda layer, q, k, v: cached_attention(layer, q, k, v, batch, self.cache, exact=False)
 
     @torch.inference_mode()
     def commit(self, requests: list, tokens: list[torch.Tensor], features: list[torch.Tensor]) -> None:

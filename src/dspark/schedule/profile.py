@@ -5,6 +5,7 @@ positions written during measuring are past every committed position and are ove
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import platform
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from ..draft.base import Proposal
 from ..engine.llm_engine import LLMEngine
+from .. import options
 from ..cache import cache_root
 from ..target.skinny import kernel_name
 from ..sampling import SamplingParams, param_tensors, warp
@@ -127,7 +129,8 @@ def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
     drafter = getattr(engine.drafter, "model", torch.nn.Module())
     groups = sum(getattr(m, "groups", None) is not None for m in [*engine.target.modules(), *drafter.modules()])
     draft_ids = getattr(drafter, "draft_ids", None)  # groups.py and a draft vocabulary change costs
-    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION) +
+    digest = hashlib.sha256(repr((*key, machine()["cpu"], kernel_name(), groups, PROFILE_VERSION,
+                                  sorted(dataclasses.asdict(options.current()).items())) +
                                  (() if draft_ids is None else (len(draft_ids),))).encode()).hexdigest()[:16]
     path = cache_root() / "profiles" / f"{digest}.json"
     if path.is_file():

@@ -22,7 +22,7 @@ void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf
 void skinny_f32(const float* x, const float* w, const float* wt, const float* b, float* y, int64_t M, int64_t N,
                 int64_t K, int threads, int flags);
 }
-enum { ONE_ROW_TILES = 1, TILE_ATTENTION = 2 };  // flags, as skinny.cpp's
+enum { FLAG_ONE_ROW_TILES = 1, FLAG_TILE_ATTENTION = 2 };  // flags, as skinny.cpp's
 // Products of at most 32 rows (skinny.cpp's tiles read the weights once for them); more rows are products of 32 at
 // a time, each row rounded as in any other forward. wt: the weight packed for AMX's tiles (skinny.py's `tiles`), or
 // null.
@@ -99,10 +99,21 @@ static void rotary(T* x, const T* cos, const T* sin, int64_t heads, int64_t hd) 
   }
 }
 
+// The keys (or values) a token reads, rows 0 .. n - 1 of hd values each: the first `split` in place in the cache, the
+// rest gathered (a draft tree's visible nodes among the last keys its bits can hide).
+template <typename T>
+struct Rows {
+  const T* head;
+  int64_t split;
+  const T* tail;
+  int64_t hd;
+  const T* operator()(int64_t j) const { return j < split ? head + j * hd : tail + (j - split) * hd; }
+};
+
 // Scores s[r][j] = q_r k_j * scale of NR query rows (q: hd floats each) over keys 0 .. L-1: each key is widened
 // once for all rows, and four keys' sums reduce in one tree (vsum4); keys past the last whole four reduce alone.
 template <int NR, typename T>
-static void scores(const float* q, const T* keys, int64_t L, int64_t hd, float scale, float* s, int64_t stride) {
+static void scores(const float* q, const Rows<T>& keys, int64_t L, int64_t hd, float scale, float* s, int64_t stride) {
   int64_t j = 0;
   for (; j + 4 <= L; j += 4) {
     vec acc[NR][4];
@@ -110,7 +121,7 @@ static void scores(const float* q, const T* keys, int64_t L, int64_t hd, float s
       for (int i = 0; i < 4; i++) acc[r][i] = vzero();
     for (int64_t d = 0; d < hd; d += LANES) {
       vec k[4];
-      for (int i = 0; i < 4; i++) k[i] = vload(keys + (j + i) * hd + d);
+      for (int i = 0; i < 4; i++) k[i] = vload(keys(j + i) + d);
       for (int r = 0; r < NR; r++) {
         const vec qv = vload(q + r * hd + d);
         for (int i = 0; i < 4; i++) acc[r][i] = vfma(qv, k[i], acc[r][i]);
@@ -125,19 +136,19 @@ static void scores(const float* q, const T* keys, int64_t L, int64_t hd, float s
   for (; j < L; j++)
     for (int r = 0; r < NR; r++) {
       vec acc = vzero();
-      for (int64_t d = 0; d < hd; d += LANES) acc = vfma(vload(q + r * hd + d), vload(keys + j * hd + d), acc);
+      for (int64_t d = 0; d < hd; d += LANES) acc = vfma(vload(q + r * hd + d), vload(keys(j) + d), acc);
       s[r * stride + j] = vsum(acc) * scale;
     }
 }
 
 // out_r = sum_j p[r][j] v_j / sum[r] for NR rows, rounded once; each value vector is widened once for all rows.
 template <int NR, typename T>
-static void weigh(const float* p, const float* sum, const T* values, int64_t L, int64_t hd, T* out, int64_t stride) {
+static void weigh(const float* p, const float* sum, const Rows<T>& values, int64_t L, int64_t hd, T* out, int64_t stride) {
   for (int64_t d = 0; d < hd; d += LANES) {
     vec acc[NR];
     for (int r = 0; r < NR; r++) acc[r] = vzero();
     for (int64_t j = 0; j < L; j++) {
-      const vec v = vload(values + j * hd + d);
+      const vec v = vload(values(j) + d);
       for (int r = 0; r < NR; r++) acc[r] = vfma(vset(p[r * stride + j]), v, acc[r]);
     }
     for (int r = 0; r < NR; r++) vput(out + r * hd + d, R<T>(vdiv(acc[r], vset(sum[r]))));
@@ -154,7 +165,7 @@ static inline void hide_keys(float* s, int64_t L, uint64_t hidden) {
 // softmax(q k / sqrt(hd)) v in float32, rounded once, without the keys `hidden` hides (hide_keys). s: scratch of NR
 // rows of L rounded up to LANES floats.
 template <int NR, typename T>
-static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, uint64_t hidden, int64_t hd, T* out,
+static void attend_rows(const T* q, const Rows<T>& keys, const Rows<T>& values, int64_t L, uint64_t hidden, int64_t hd, T* out,
                         float* s) {
   const int64_t padded = (L + LANES - 1) / LANES * LANES;
   float qf[NR * 512], sum[NR];
@@ -188,24 +199,29 @@ static void attend_rows(const T* q, const T* keys, const T* values, int64_t L, u
 template <typename T>
 static void attend(const T* q, const T* keys, const T* values, int64_t L, uint64_t hidden, int64_t g0, int64_t G,
                    int64_t hd, T* out, float* s) {
-  std::vector<T> seen_keys, seen_values;
+  Rows<T> k{keys, L, nullptr, hd}, v{values, L, nullptr, hd};
+  std::vector<T> seen;  // the visible keys and values after `split`, gathered
   if (hidden) {
-    for (int64_t j = 0; j < L; j++) {
-      const int64_t back = L - 1 - j;  // hide_keys' bit numbering
-      if (back < 64 && (hidden >> back & 1)) continue;
-      seen_keys.insert(seen_keys.end(), keys + j * hd, keys + (j + 1) * hd);
-      seen_values.insert(seen_values.end(), values + j * hd, values + (j + 1) * hd);
-    }
-    keys = seen_keys.data(), values = seen_values.data(), L = (int64_t)seen_keys.size() / hd, hidden = 0;
+    const int64_t split = L > 63 ? L - 63 : 0;  // keys before it are never hidden (bits 1..62)
+    seen.reserve(2 * (L - split) * hd);
+    for (int64_t pass = 0; pass < 2; pass++)
+      for (int64_t j = split; j < L; j++)
+        if (!(hidden >> (L - 1 - j) & 1)) {  // hide_keys' numbering
+          const T* row = (pass ? values : keys) + j * hd;
+          seen.insert(seen.end(), row, row + hd);
+        }
+    const int64_t kept = (int64_t)seen.size() / (2 * hd);
+    k = {keys, split, seen.data(), hd}, v = {values, split, seen.data() + kept * hd, hd};
+    L = split + kept, hidden = 0;
   }
   for (int64_t g = g0; g < g0 + G; g += 4) {
     const T* qg = q + g * hd;
     T* og = out + g * hd;
     switch (g0 + G - g < 4 ? g0 + G - g : 4) {
-      case 1: attend_rows<1>(qg, keys, values, L, hidden, hd, og, s); break;
-      case 2: attend_rows<2>(qg, keys, values, L, hidden, hd, og, s); break;
-      case 3: attend_rows<3>(qg, keys, values, L, hidden, hd, og, s); break;
-      default: attend_rows<4>(qg, keys, values, L, hidden, hd, og, s); break;
+      case 1: attend_rows<1>(qg, k, v, L, hidden, hd, og, s); break;
+      case 2: attend_rows<2>(qg, k, v, L, hidden, hd, og, s); break;
+      case 3: attend_rows<3>(qg, k, v, L, hidden, hd, og, s); break;
+      default: attend_rows<4>(qg, k, v, L, hidden, hd, og, s); break;
     }
   }
 }
@@ -249,7 +265,7 @@ static void forward(const Model& m, int64_t n, const int64_t* slot, const int64_
   std::vector<std::pair<int64_t, int64_t>> runs;  // tile attention's items: (first token, tokens) of one slot
 #ifdef TILE_ATTENTION
   // only where the layers' products have packed copies (tiles on) and the flag asks for it
-  if (std::is_same<T, bf16>::value && tile_attention::fits(hd, G) && (flags & TILE_ATTENTION) &&
+  if (std::is_same<T, bf16>::value && tile_attention::fits(hd, G) && (flags & FLAG_TILE_ATTENTION) &&
       m.layer[0].qkv_tiles)
     for (int64_t t = 0; t < n; t++)
       if (runs.empty() || slot[t] != slot[runs.back().first] || (runs.back().second + 1) * G > tile_attention::ROWS)

@@ -192,12 +192,14 @@ def token_attention(q, keys, values, batch: FlatBatch) -> torch.Tensor:
     return torch.cat(outs).to(q.dtype)
 
 
-def cached_attention(layer: int, q, k, v, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
+def cached_attention(layer: int, q, k, v, batch: FlatBatch, cache: KVCache, exact: bool | None = None) -> torch.Tensor:
     """Write the batch's keys/values ([T, KVH, hd]) to the cache, attend with queries [T, H, hd] over each
-    request's cached keys under the batch's mask, and return [T, H * hd]."""
+    request's cached keys under the batch's mask, and return [T, H * hd]. exact (default: Options.exact): token by
+    token, as the numerics contract needs; drafters pass False (their q is returned exactly as it was sampled from,
+    so they need no contract)."""
     T, H, _ = q.shape
     keys, values = cache.write(layer, batch, k, v)  # [R, KVH, key_len, hd] views
-    if options.current().exact:  # token by token: a token's attention depends on its own keys alone
+    if options.current().exact if exact is None else exact:  # token by token: a token's own keys alone
         if takes_attend_tokens(q, cache):
             return attend_tokens(layer, q, batch, cache)
         return token_attention(q, keys, values, batch)

@@ -321,7 +321,7 @@ static const int WROWS = LANES == 16 ? 4 : 2;  // weight rows per tile: 4 x 4 ac
 
 // The flags of a product (and of fused_layers.cpp's forwards): ONE_ROW_TILES puts products of one row on AMX's tiles
 // too; TILE_ATTENTION lets fused_layers.cpp attend several tokens of a request on the tiles.
-enum { ONE_ROW_TILES = 1, TILE_ATTENTION = 2 };
+enum { FLAG_ONE_ROW_TILES = 1, FLAG_TILE_ATTENTION = 2 };
 
 // Whether bf16 weight rows take the AMX tiles: a packed copy given (wt, whole tiles: N a multiple of 16, K of 32),
 // 2 (1 with ONE_ROW_TILES) to AMX_MAX_ROWS rows, compiled in and granted by Linux; float32 products, and CPUs
@@ -334,7 +334,7 @@ struct Tiles {
   Tiles(const bf16*, const void* packed, int64_t rows, int64_t N, int64_t K, int flags)
       : M(rows), wt((const bf16*)packed) {
 #ifdef SKINNY_AMX
-    on = wt && M >= (flags & ONE_ROW_TILES ? 1 : 2) && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 &&
+    on = wt && M >= (flags & FLAG_ONE_ROW_TILES ? 1 : 2) && M <= AMX_MAX_ROWS && N % 16 == 0 && K % 32 == 0 &&
          amx_permitted();
 #else
     (void)N, (void)K, (void)flags;

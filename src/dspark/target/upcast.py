@@ -32,7 +32,7 @@ from torch import nn
 
 from .groups import HEAD_ROWS
 from .onednn import linear
-from .skinny import skinny_linear, takes_skinny, tiles
+from .skinny import kernel, skinny_linear, takes_skinny, tiles
 
 CHUNK = 1024
 MIN_ROWS = 16
@@ -110,7 +110,8 @@ class ManyRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        if self.groups is not None and x.numel() <= HEAD_ROWS * x.shape[-1] and not torch.is_grad_enabled():
+        if (self.groups is not None and x.numel() <= HEAD_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+                and kernel() is not None):
             return self.groups(x.float(), None if self.bias is None else self.bias.float()).to(x.dtype)
         product = product_kernel(x, self.weight, rows=FAST_ROWS)
         if product is skinny_linear:
