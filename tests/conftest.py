@@ -19,21 +19,11 @@ from dspark import LLM, SamplingParams, options
 torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", 2)))  # 1 beside another torch job
 
 REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("DSPARK_DATA", REPO.parent / "shared" / "data"))
 
 NEW_TOKENS = 48  # greedy continuation length of the reference outputs
 
 
 # ---- data ---------------------------------------------------------------------------------------
-def first_turns(name: str, n: int) -> list[str]:
-    """The first user message of the first n rows of eval_<name>.jsonl."""
-    path = DATA_DIR / f"eval_{name}.jsonl"
-    if not path.is_file():
-        pytest.skip(f"benchmark prompts not found at {path} (set DSPARK_DATA)")
-    with path.open() as f:
-        return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
-
-
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

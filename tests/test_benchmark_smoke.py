@@ -1,6 +1,7 @@
 """The benchmark scripts still run end to end (tiny settings) and write the result files they promise."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,11 @@ __all__ = ["tiny_target_dir"]  # a fixture used here
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPT = BENCHMARKS / "engine_speed.py"
+sys.path.insert(0, str(BENCHMARKS.parent))
+import benchmarks.common as common  # noqa: E402
+
+# the smoke runs read the test fixtures' stand-in eval sets, never a data folder outside the repository
+common.DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "fixtures" / "data"
 
 
 def load_script(path: Path = SCRIPT):

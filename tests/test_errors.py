@@ -59,7 +59,7 @@ def test_missing_targets_raise_file_not_found(tmp_path):
 # ---- prompts ------------------------------------------------------------------------------------
 def test_bad_prompts_are_rejected_and_leave_the_engine_clean(make_llm, chat_ids, solo_greedy, greedy):
     llm = make_llm(max_model_len=160)
-    long_prompt = chat_ids[2]
+    long_prompt = (chat_ids[2] * 20)[:170]
     assert len(long_prompt) >= 160 > len(chat_ids[1]) + greedy.max_tokens
     cases = [("", "empty prompt"), ([], "empty prompt"), (long_prompt, "does not fit the context of 160"),
              ([1, 2, 10**6], r"token ids must be in \[0, 49152\)"), ([-1], "token ids must be in")]

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dspark: {note}", file=sys.stderr)
     errors = [p for p in problems if not p.startswith("note: ")]
     if errors:
-        parser.exit(2, "".join(f"dspark: error: {e}\n" for e in errors))
+        print("".join(f"dspark: error: {e}\n" for e in errors), end="", file=sys.stderr)
+        return 2
     try:
         options.use(options_from_args(args))
         return args.func(args)

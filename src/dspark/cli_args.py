@@ -91,7 +91,7 @@ NAMED_DRAFTERS = ("auto", "default", "none", "prompt-lookup")
 # (flag attribute, lowest allowed value, highest or None, what it is)
 NUMBERS = [("threads", 1, None, "torch threads"), ("gamma", 1, 64, "the draft block size"),
            ("max_model_len", 2, None, "the context limit"), ("max_tokens", 1, None, "new tokens"),
-           ("temperature", 0.0, None, "the temperature"), ("top_p", 0.0, 1.0, "the nucleus mass"),
+           ("temperature", 0.0, None, "0 is greedy"), ("top_p", 0.0, 1.0, "the nucleus mass, above 0"),
            ("top_k", 0, 2**31 - 1, "top-k"), ("threshold", 0.0, 1.0, "the survival threshold"),
            ("max_num_seqs", 1, None, "requests at once"), ("port", 1, 65535, "the port")]
 
@@ -108,19 +108,20 @@ def check_args(args) -> list[str]:
             continue
         if value < low or (high is not None and value > high) or (name == "top_p" and value == 0):
             bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-            problems.append(f"--{name.replace('_', '-')} {value}: {what} must be {bound}")
+            problems.append(f"--{name.replace('_', '-')} {value}: {name} must be {bound} ({what})")
     drafter = getattr(args, "drafter", None)
     if drafter is not None:
         inner = drafter.removeprefix("lookup+")
         if drafter.startswith("lookup+") and inner in ("auto", "none", "prompt-lookup"):
             problems.append(f"--drafter {drafter}: lookup+ goes before default or a drafter folder")
         elif inner not in NAMED_DRAFTERS and not (Path(inner).expanduser() / "config.json").is_file():
-            problems.append(f"--drafter {drafter}: not one of {', '.join(NAMED_DRAFTERS)}, lookup+default, "
+            problems.append(f"unknown drafter {drafter!r}: give {', '.join(NAMED_DRAFTERS)}, lookup+default, "
                             "lookup+FOLDER, or a drafter folder with config.json")
     target = getattr(args, "target", None)
     if target and (target.startswith((".", "/", "~")) or target.endswith(".gguf")) and not Path(target).expanduser(
             ).exists():
-        problems.append(f"--target {target}: no such file or folder")
+        kind = "GGUF file" if target.endswith(".gguf") else "target folder"
+        problems.append(f"{kind} not found: {target}")
     cost = getattr(args, "cost_table", None)
     if cost and not Path(cost).expanduser().is_file():
         problems.append(f"--cost-table {cost}: no such file")
