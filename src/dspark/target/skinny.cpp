@@ -394,19 +394,27 @@ static void product(const T* x, const W& w, const void* wt, const T* b, T* y, in
   }
 }
 
+// Rows of x are taken BLOCK_ROWS at a time: a block's rows stay in cache while every weight row streams past them
+// once (all of a wide product's rows at once would stream from memory for every weight row), and with a packed copy
+// each block takes the AMX tiles as any narrower product does (AMX_MAX_ROWS rows at most). A row's result does not
+// depend on its block. flags: FLAG_ONE_ROW_TILES (above).
+static const int64_t BLOCK_ROWS = 32;
+template <typename T, typename W>
+static void product_in_blocks(const T* x, const W& w, const void* wt, const T* b, T* y, int64_t M, int64_t N, int64_t K,
+                              int threads, int flags) {
+  for (int64_t m = 0; m < M; m += BLOCK_ROWS)
+    product(x + m * K, w, wt, b, y + m * N, M - m < BLOCK_ROWS ? M - m : BLOCK_ROWS, N, K, threads, flags);
+}
+
 extern "C" {
 // wt: w packed tile by tile (block_amx), read by bf16 products on AMX; may be null (float32: always null).
-// flags: ONE_ROW_TILES (above). With a packed copy, products of more than AMX_MAX_ROWS rows run AMX_MAX_ROWS rows at
-// a time, so every row takes the tiles as in any narrower product.
 void skinny_bf16(const bf16* x, const bf16* w, const bf16* wt, const bf16* b, bf16* y, int64_t M, int64_t N,
                  int64_t K, int threads, int flags) {
-  const int64_t step = wt ? 32 : M > 0 ? M : 1;
-  for (int64_t m = 0; m < M; m += step)
-    product(x + m * K, Dense<bf16>{w, K}, wt, b, y + m * N, M - m < step ? M - m : step, N, K, threads, flags);
+  product_in_blocks(x, Dense<bf16>{w, K}, wt, b, y, M, N, K, threads, flags);
 }
 void skinny_f32(const float* x, const float* w, const float*, const float* b, float* y, int64_t M, int64_t N,
                 int64_t K, int threads, int) {
-  product(x, Dense<float>{w, K}, nullptr, b, y, M, N, K, threads);
+  product_in_blocks(x, Dense<float>{w, K}, nullptr, b, y, M, N, K, threads, 0);
 }
 // Whether bf16 products run on AMX's tiles here (compiled in and granted by Linux): only then are packed copies
 // worth making.
@@ -420,11 +428,11 @@ int skinny_tiles(void) {
 // float32 products over weights held as GGUF groups (see Q4_1, Q8_0): bit-identical to skinny_f32 on their values.
 void skinny_q4_1_f32(const float* x, const uint8_t* q, const float* d, const float* m, const float* b, float* y,
                      int64_t M, int64_t N, int64_t K, int threads) {
-  product(x, Q4_1{q, d, m, K}, nullptr, b, y, M, N, K, threads);
+  product_in_blocks(x, Q4_1{q, d, m, K}, nullptr, b, y, M, N, K, threads, 0);
 }
 void skinny_q8_0_f32(const float* x, const int8_t* q, const float* d, const float* b, float* y, int64_t M, int64_t N,
                      int64_t K, int threads) {
-  product(x, Q8_0{q, d, K}, nullptr, b, y, M, N, K, threads);
+  product_in_blocks(x, Q8_0{q, d, K}, nullptr, b, y, M, N, K, threads, 0);
 }
 }
 
