@@ -18,6 +18,12 @@ from dspark.train.regenerate import record_line
 SCRIPT = Path(__file__).resolve().parent.parent / "drafters" / "training_answers.py"
 
 
+@pytest.fixture(autouse=True)
+def fixture_data(monkeypatch):
+    """The prompt pools' data folder: the tests' stand-in (GSM8K train rows and eval sets to exclude)."""
+    monkeypatch.setenv("DSPARK_DATA", str(Path(__file__).resolve().parent / "fixtures" / "data"))
+
+
 def load_script():
     spec = importlib.util.spec_from_file_location("training_answers", SCRIPT)
     module = importlib.util.module_from_spec(spec)
