@@ -19,7 +19,7 @@ demo: install
 	$(VENV)/bin/dspark generate --max-tokens 200 "$(PROMPT)"
 
 test: install
-	@echo "make test: the whole suite, statistical tests included (about 25 minutes on 2 cores; pytest prints the time)"
+	@echo "make test: the whole suite, statistical tests included (about 30 minutes on a 2-core EPYC; pytest prints the time)"
 	$(PY) -m pytest -q
 
 test-fast: install
