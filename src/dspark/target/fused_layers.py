@@ -172,10 +172,7 @@ def attend_tokens(layer: int, q: torch.Tensor, batch, cache) -> torch.Tensor:
     visible = batch.positions if batch.visible is None else batch.visible
     slots, visible = batch.slots.to(torch.long).contiguous(), visible.to(torch.long).contiguous()
     hidden = None if batch.hidden is None else batch.hidden.to(torch.long).contiguous()
-    function = getattr(kernel(), ATTEND[q.dtype])
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
-        ctypes.c_void_p, ctypes.c_int]
-    function(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), layer, cache.k.shape[1], cache.k.shape[3],
+    attend_entry(kernel(), q.dtype)(q.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), layer, cache.k.shape[1], cache.k.shape[3],
              slots.data_ptr(), visible.data_ptr(), pointer(hidden), T, H, cache.k.shape[2], hd, out.data_ptr(),
              torch.get_num_threads())
     return out
@@ -199,6 +196,17 @@ def entry(lib: ctypes.CDLL, dtype: torch.dtype):
     function = getattr(lib, FUNCTIONS[dtype])
     function.argtypes = ([ctypes.POINTER(ModelWeights), ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
                          + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int])
+    function.restype = None
+    return function
+
+
+@functools.cache
+def attend_entry(lib: ctypes.CDLL, dtype: torch.dtype):
+    """fused_layers.cpp's attend_tokens for `dtype` in the library, with its argument types (set once, not per
+    layer)."""
+    function = getattr(lib, ATTEND[dtype])
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [
+        ctypes.c_void_p, ctypes.c_int]
     function.restype = None
     return function
 
