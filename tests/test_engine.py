@@ -8,7 +8,8 @@ import torch
 
 from dspark import SamplingParams
 from dspark.draft import Drafter, Proposal
-from dspark.engine.emit import held_back
+from dspark.engine.emit import append_tokens, held_back
+from dspark.engine.request import Request
 from dspark.schedule import Scheduler
 
 
@@ -199,6 +200,21 @@ def test_held_back_text():
     assert held_back("The end ST", ["</s>", "STOP"]) == 2
     assert held_back("The end", ["</s>"]) == 0
     assert held_back("caf\ufffd", []) == 1  # a partial UTF-8 character decodes as U+FFFD
+
+
+def test_a_character_cut_by_max_tokens_never_ends_the_text(make_llm):
+    """An emoji takes several byte tokens: an answer cut inside it, as a prompt here forced token by token,
+    streams and ends without the broken character."""
+    llm = make_llm()
+    ids = llm.tokenizer.encode("Привет 😀 ok", add_special_tokens=False)
+    decoded = [llm.tokenizer.decode(ids[:k]) for k in range(1, len(ids) + 1)]
+    cuts = [k for k, text in enumerate(decoded, 1) if text.endswith("\ufffd")]
+    assert cuts, "the emoji should span several tokens"
+    for k in cuts:
+        req = Request([1], SamplingParams(temperature=0, max_tokens=k))
+        deltas = [append_tokens(req, [t], llm.tokenizer, set(), 10_000) for t in ids[:k]]
+        assert req.finish_reason == "length" and "\ufffd" not in req.text and "".join(deltas) == req.text
+        assert req.text == decoded[k - 1].rstrip("\ufffd")
 
 
 def stream(llm, prompts, params, chat: bool = False):

@@ -102,25 +102,63 @@ def test_a_request_failing_mid_batch_does_not_disturb_the_others(make_llm, chat_
     assert late.output_ids == solo_greedy[1][:SHORT.max_tokens]
 
 
-class FailingOnceDrafter(Drafter):
-    """Raises on its `fail_at`-th proposal, and proposes nothing otherwise."""
+class FailingDrafter(Drafter):
+    """Raises on its `fail_at`-th proposal (every proposal from then on if always), or on every proposal that
+    includes the prompt `poison`; proposes nothing otherwise."""
 
-    def __init__(self, fail_at: int):
-        self.calls, self.fail_at = 0, fail_at
+    def __init__(self, fail_at: int = 0, always: bool = False, poison: list[int] | None = None):
+        self.calls, self.fail_at, self.always, self.poison = 0, fail_at, always, poison
 
     def propose(self, requests, limit=None):
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls == self.fail_at or (self.always and self.calls > self.fail_at) or \
+                any(r.prompt_ids == self.poison for r in requests):
             raise RuntimeError("drafter crashed")
         return super().propose(requests, limit)
 
 
+def test_a_transient_fault_is_retried_request_by_request(make_llm, chat_ids, solo_greedy):
+    llm = make_llm(drafter=FailingDrafter(fail_at=3))
+    outs = llm.generate(chat_ids[:3], SHORT)
+    assert [o.token_ids for o in outs] == [s[:SHORT.max_tokens] for s in solo_greedy[:3]]
+    assert all(o.error is None for o in outs)
+
+
+def test_a_fault_that_follows_one_request_fails_only_it(make_llm, chat_ids, solo_greedy):
+    llm = make_llm(drafter=FailingDrafter(poison=chat_ids[1]))
+    outs = llm.generate(chat_ids[:4], SHORT)
+    assert outs[1].finish_reason == "error" and outs[1].error == "RuntimeError: drafter crashed"
+    for i in (0, 2, 3):
+        assert outs[i].error is None and outs[i].token_ids == solo_greedy[i][:SHORT.max_tokens]
+
+
+def test_a_sampling_fault_in_one_request_leaves_the_others_draws_untouched(make_llm, chat_ids):
+    """Request 1's temperature is broken after its checks (NaN: its probabilities are not finite, as a tiny
+    temperature once made them): it fails with a message; the sampled requests beside it draw exactly what
+    they draw without it in trouble (their generators are rewound for the retry)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=10, seed=s) for s in range(4)]
+    llm = make_llm(drafter="prompt-lookup")
+    reference = [o.token_ids for o in llm.generate(chat_ids[:4], params)]
+    engine = llm.engine
+    reqs = [engine.add_request(ids, SamplingParams(temperature=1.0, max_tokens=10, seed=s))
+            for s, ids in enumerate(chat_ids[:4])]
+    engine.step()
+    engine.step()
+    reqs[1].params.temperature = float("nan")
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[1].finish_reason == "error" and "outside the vocabulary" in reqs[1].error
+    assert [reqs[i].output_ids for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
+    assert engine.cache.num_used == 0
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_llm, chat_ids, solo_greedy):
-    llm = make_llm(drafter=FailingOnceDrafter(fail_at=3))
+    llm = make_llm(drafter=FailingDrafter(fail_at=3, always=True))
     failed = llm.generate(chat_ids[:2], SHORT)
     assert [o.finish_reason for o in failed] == ["error", "error"]
     assert all(o.error == "RuntimeError: drafter crashed" and len(o.token_ids) == 3 for o in failed)
     assert llm.engine.cache.num_used == 0
+    llm.engine.drafter.always = False
     assert [o.token_ids for o in llm.generate(chat_ids[:2], SHORT)] == [s[:SHORT.max_tokens] for s in solo_greedy[:2]]
 
 

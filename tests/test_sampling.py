@@ -116,3 +116,37 @@ def test_windowed_top_p_top_k_equals_the_full_sort(spread):
     fast, whole = _filter(logits, top_p, top_k, window=16), _filter(logits, top_p, top_k, window=V)
     assert torch.equal(fast.isfinite(), whole.isfinite())
     assert 0 < int(fast.isfinite().sum(-1).min()) and int(fast.isfinite().sum(-1).max()) < V
+
+
+# ---- every accepted parameter is numerically safe ----------------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8, 1e-3])
+def test_tiny_temperatures_give_the_argmax_not_nan(temperature):
+    """Dividing logits of ~30 by 1e-40 overflows float32; the row's max is subtracted first, so the
+    probabilities stay finite and tend to the point mass on the argmax."""
+    logits = torch.randn(4, 1000) * 10 + 30
+    t, p, k = settings_tensors([(temperature, 1.0, 0), (temperature, 0.9, 0), (temperature, 1.0, 5),
+                                (temperature, 0.5, 2**62)])
+    probs = warp(logits, t, p, k)
+    assert torch.isfinite(probs).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(4))
+    if temperature < 1e-6:
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and (probs.max(-1).values == 1).all()
+    drawn = sample(probs, torch.rand(4))
+    assert (drawn < 1000).all()
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30])
+def test_huge_top_k_and_seed_are_no_cut_and_a_valid_seed(make_llm, chat_ids, top_k):
+    llm = make_llm()
+    big = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, seed=2**64 + 5)
+    plain = SamplingParams(temperature=1.0, top_k=0, max_tokens=4, seed=5)  # same seed mod 2**64, no cut
+    assert llm.generate(chat_ids[0], big)[0].token_ids == llm.generate(chat_ids[0], plain)[0].token_ids
+
+
+def test_a_tiny_temperature_request_beside_others_runs_like_greedy(make_llm, chat_ids):
+    llm = make_llm(drafter="prompt-lookup", max_num_seqs=4)
+    tiny = [SamplingParams(temperature=1e-40, max_tokens=10, seed=i) for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    outs = llm.generate(chat_ids[:3], tiny)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(chat_ids[:3], greedy)]

@@ -10,6 +10,8 @@ import torch
 
 from .target.argmax import argmax_rows
 
+TOP_K_OFF = 2**62  # a top_k at least this large is no cut at all (and still fits a long)
+
 
 @dataclass
 class SamplingParams:
@@ -33,7 +35,7 @@ class SamplingParams:
             (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             f"seed must be an integer or None, got {self.seed!r}"),
+             f"seed must be an integer or None, got {self.seed!r}"),  # any size: the generator takes it mod 2**64
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
         ]
         for ok, message in checks:
@@ -49,7 +51,7 @@ def param_tensors(params: list[SamplingParams], repeats: list[int] | None = None
     """(temperature, top_p, top_k) as [N] tensors, one row per request repeated `repeats[r]` times."""
     t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     tp = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    tk = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    tk = torch.tensor([min(p.top_k, TOP_K_OFF) for p in params], dtype=torch.long)  # any k >= V keeps every token
     if repeats is not None:
         r = torch.tensor(repeats)
         t, tp, tk = t.repeat_interleave(r), tp.repeat_interleave(r), tk.repeat_interleave(r)
@@ -61,12 +63,14 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, t
 
     Order as in transformers: temperature, then top-k (ties at the k-th value kept), then top-p (the
     smallest prefix of the sorted distribution whose mass reaches top_p; the top token always kept).
+    Each row's largest logit is subtracted before dividing by its temperature, so any temperature > 0, however
+    small, gives finite probabilities (a tiny one: the point mass on the argmax, shared among exact ties).
     """
     logits = logits.float()
     greedy = temperature == 0
     if greedy.all():
         return point_mass(logits)
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    scaled = (logits - logits.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, temperature)[:, None]
     filt = ((top_k > 0) | (top_p < 1)) & ~greedy
     if filt.any():
         rows = filt.nonzero().squeeze(1)
@@ -123,10 +127,12 @@ def _cut(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lse: torch.Te
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw from each row of probs [N, V] (need not be normalised) with uniforms u [N].
 
-    Tokens of zero probability are never returned.
+    Tokens of zero probability are never returned; a row without a finite positive mass (a fault upstream)
+    gets -1, which the engine fails that request on.
     """
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype) * total, right=True)
     last_nonzero = torch.searchsorted(cdf, total.contiguous(), right=False)
-    return torch.minimum(idx, last_nonzero).squeeze(1)
+    broken = ~(torch.isfinite(total) & (total > 0)).squeeze(1)
+    return torch.minimum(idx, last_nonzero).squeeze(1).masked_fill(broken, -1)

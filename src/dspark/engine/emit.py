@@ -1,5 +1,6 @@
 """Step 6 of the data path: append committed tokens, detect EOS / length / stop strings, and work out
-the text to stream (holding back a partial UTF-8 character or a possible start of a stop string)."""
+the text to stream (holding back a partial UTF-8 character or a possible start of a stop string). A text
+never ends in a broken character: bytes still incomplete when the request finishes are dropped."""
 from __future__ import annotations
 
 from .request import Request, Status
@@ -33,6 +34,7 @@ def append_tokens(req: Request, tokens: list[int], tokenizer, eos_ids: set[int],
         text, req.finish_reason = text[:cut], "stop"
     if req.finish_reason:
         req.status = Status.FINISHED
+        text = text.rstrip("\ufffd")  # bytes of a character cut off by the end never complete: they are dropped
     req.text = text
     safe = len(text) if req.finished else len(text) - held_back(text, params.stop)
     delta = text[req.emitted:safe]

@@ -101,14 +101,31 @@ class LLMEngine:
         st.t_prefill = time.perf_counter() - t0
         reqs = [r for r in self.running if not r.finished]
         if reqs:
-            try:
-                outputs += self._decode(reqs, st)
-            except Exception as exc:  # a failed forward fails its requests; the engine keeps serving
-                outputs += self._fail(reqs, exc)
+            outputs += self._decode_isolating(reqs, st)
             st.t_total = time.perf_counter() - t0
-            self.stats.append(st)
-            self.scheduler.observe(st)
+            if st.num_requests:  # a step that failed and was retried request by request is not a measurement
+                self.stats.append(st)
+                self.scheduler.observe(st)
         self._release([r for r in self.running if r.finished])
+        return outputs
+
+    def _decode_isolating(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
+        """One request can only fail itself: when a step's decode raises before it commits anything, each request
+        decodes alone (its generator rewound to the step's start, so its draws are the ones it would have made),
+        and only those that fail alone fail; the engine keeps serving."""
+        saved = [(req.num_cached, req.generator.get_state()) for req in reqs]
+        try:
+            return self._decode(reqs, st)
+        except Exception as exc:
+            if len(reqs) == 1 or any(req.num_cached != n for req, (n, _) in zip(reqs, saved)):
+                return self._fail(reqs, exc)
+        outputs = []
+        for req, (_, state) in zip(reqs, saved):
+            req.generator.set_state(state)
+            try:
+                outputs += self._decode([req], StepStats())
+            except Exception as exc:
+                outputs += self._fail([req], exc)
         return outputs
 
     def _decode(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
@@ -130,6 +147,8 @@ class LLMEngine:
         logits = self.target.logits(out.hidden, None if greedy else torch.float32)
         st.t_verify, t = time.perf_counter() - t, time.perf_counter()
         verdict = self._accept(reqs, logits, batch, proposal, lengths, greedy)  # 4. accept
+        if not bool(((verdict.next_token >= 0) & (verdict.next_token < logits.shape[-1])).all()):
+            raise ValueError("a sampled token fell outside the vocabulary (the probabilities were not finite)")
         accepted = verdict.num_accepted.tolist()
         paths = verdict.path or [list(range(n)) for n in accepted]  # the accepted drafts (a tree's walk)
         new_tokens = [proposal.tokens[i, path].tolist() + [int(verdict.next_token[i])] for i, path in enumerate(paths)]
@@ -187,7 +206,11 @@ class LLMEngine:
         except Exception as exc:  # the forward failed: these requests fail, the engine goes on
             return self._fail(new, exc)
         st.prefill_tokens, st.admitted = sum(lens), len(new)
-        return self._emit(new, [[t] for t in first_tokens], count_step=False)
+        vocab = logits.shape[-1]
+        bad = [r for r, t in zip(new, first_tokens) if not 0 <= t < vocab]  # a row whose probabilities broke
+        failed = self._fail(bad, ValueError("the first token fell outside the vocabulary (probabilities not finite)"))
+        good = [(r, [t]) for r, t in zip(new, first_tokens) if 0 <= t < vocab]
+        return failed + self._emit([r for r, _ in good], [t for _, t in good])
 
     def _take_waiting(self) -> list[Request]:
         """Waiting requests to admit now: up to max_num_seqs running, and max_prefill_tokens of prompts
@@ -258,7 +281,7 @@ class LLMEngine:
             at = [slice(s, s + len(keep)) if walks is None else torch.tensor(keep) + s for s, keep in zip(starts, kept)]
             self.drafter.commit(reqs, [batch.tokens[i] for i in at], [features[i] for i in at])
 
-    def _emit(self, reqs: list[Request], new_tokens: list[list[int]], count_step: bool = True) -> list[RequestOutput]:
+    def _emit(self, reqs: list[Request], new_tokens: list[list[int]]) -> list[RequestOutput]:
         outputs = []
         for req, tokens in zip(reqs, new_tokens):
             try:

@@ -61,7 +61,7 @@ class Request:
 
     def __post_init__(self):
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(2**62, ()).item())
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed % 2**64)  # any integer seeds it
 
     @property
     def all_token_ids(self) -> list[int]:
