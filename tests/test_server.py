@@ -8,10 +8,13 @@ so the tests can look at the engine's state directly.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +30,7 @@ import uvicorn
 from dspark import LLM
 from dspark.cli import main as cli_main
 from dspark.serve.app import build_app
+from dspark.serve.settings import ServerSettings
 
 MODEL = "smollm2"
 PROMPTS = ["What is 12 times 7? Answer briefly.", "Name three colors of the rainbow."]
@@ -48,9 +52,9 @@ def wait_until(check, timeout: float = 30.0, every: float = 0.05):
 
 
 class Server:
-    def __init__(self, llm: LLM, max_waiting: int):
+    def __init__(self, llm: LLM, max_waiting: int, **settings):
         self.llm = llm
-        self.app = build_app(llm, MODEL, max_waiting=max_waiting, default_max_tokens=32)
+        self.app = build_app(llm, ServerSettings(MODEL, max_waiting=max_waiting, default_max_tokens=32, **settings))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -65,14 +69,36 @@ class Server:
         return not e.running and not e.waiting and self.loop_engine.in_flight() == 0 and e.cache.num_used == 0
 
 
+class Tracebacks(logging.Handler):
+    """Log records of the server that carry an exception (a traceback in its log)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        if record.exc_info or "Traceback" in record.getMessage():
+            self.records.append(record)
+
+
 @pytest.fixture(scope="module")
-def server():
-    srv = Server(LLM(dtype="bf16", drafter="prompt-lookup", max_num_seqs=4), max_waiting=2)
+def tracebacks():
+    handler = Tracebacks()
+    logging.getLogger().addHandler(handler)
+    yield handler
+    logging.getLogger().removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def server(tracebacks):
+    srv = Server(LLM(dtype="bf16", drafter="prompt-lookup", max_num_seqs=4), max_waiting=2,
+                 max_completion_tokens=400, max_prompt_tokens=1000, max_body_bytes=1 << 16)
     srv.thread.start()
     assert wait_until(lambda: srv.uvicorn.started, 60)
     yield srv
     srv.uvicorn.should_exit = True
     srv.thread.join(30)
+    assert not tracebacks.records, [r.getMessage() for r in tracebacks.records]
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +327,146 @@ def test_sigterm_finishes_running_requests_and_exits_zero(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- the rest of the API: logprobs, content parts, prompt lists, parameters refused -------------------------
+def chat_body(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0, "max_tokens": 10,
+            **kw}
+
+
+def test_logprobs_are_the_targets_and_stream_like_the_whole(client):
+    whole = greedy_chat(client, PROMPTS[0], max_tokens=10, logprobs=True, top_logprobs=3)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens
+    for e in entries:  # greedy: the chosen token is a most likely one (bf16 logits can tie)
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob == e.logprob and e.token in [t.token for t in e.top_logprobs
+                                                                      if t.logprob == e.logprob]
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == whole.choices[0].message.content
+    chunks = list(greedy_chat(client, PROMPTS[0], max_tokens=10, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert greedy_chat(client, PROMPTS[0], max_tokens=4).choices[0].logprobs is None
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=8, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_content_parts_developer_role_and_prompt_lists(client, server):
+    plain = greedy_chat(client, PROMPTS[0], max_tokens=8).choices[0].message.content
+    parts = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8,
+        messages=[{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}])
+    assert parts.choices[0].message.content == plain
+    system = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]).choices[0].message.content
+    developer = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}])
+    assert developer.choices[0].message.content == system
+    prompts = ["Once upon a time", "The capital of France is"]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6).choices[0].text
+             for p in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = [server.llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    assert both.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=6)
+    assert [c.text for c in by_ids.choices] == alone
+
+
+REFUSED = [
+    ("logit_bias", {"logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ("presence penalty", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("response format", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("unknown argument", {"frobnicate": 1}, 400, "frobnicate"),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, None),
+    ("tool role", {"messages": [{"role": "tool", "content": "x"}]}, 400, None),
+    ("max_tokens over the limit", {"max_tokens": 401}, 400, "max_tokens"),
+    ("prompt over the limit", {"messages": [{"role": "user", "content": "word " * 1200}]}, 400, "messages"),
+    ("n over max_n", {"n": 17}, 400, "n"),
+    ("top_logprobs over 20", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("name,extra,status,param", REFUSED, ids=[r[0] for r in REFUSED])
+def test_parameters_the_server_does_not_implement_are_refused(server, name, extra, status, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_body(**extra), timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and (param is None or err["param"] == param), err
+
+
+def test_neutral_values_of_unimplemented_parameters_pass(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat_body(
+        max_tokens=3, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, user="me", tool_choice="none"))
+    assert r.status_code == 200, r.text
+
+
+def test_extreme_sampling_values_answer_and_never_hurt_the_batch(server):
+    """A tiny temperature (once NaN probabilities and a 500 for the whole batch), a huge top_k and a huge seed, sent
+    together with ordinary requests: every one is answered."""
+    bodies = [chat_body(temperature=1e-40, max_tokens=8), chat_body(temperature=1.0, top_k=2**63, seed=2**64),
+              chat_body(max_tokens=8), chat_body(temperature=0.7, seed=-5, max_tokens=8)]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: httpx.post(server.url + "/v1/chat/completions", json=b, timeout=120),
+                                bodies))
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert all(a.json()["choices"][0]["message"]["content"] for a in answers)
+
+
+def test_request_bodies_over_the_limit_get_413(server):
+    big = chat_body(messages=[{"role": "user", "content": "x" * 70_000}])
+    r = httpx.post(server.url + "/v1/chat/completions", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(server.url + "/v1/chat/completions", timeout=30, headers={"content-type": "application/json"},
+                         content=iter([json.dumps(big).encode()[i:i + 8192] for i in range(0, 80_000, 8192)]))
+    assert chunked.status_code == 413
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30).status_code == 200
+
+
+def test_unknown_routes_and_methods_get_the_error_shape(server):
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)]:
+        r = httpx.request(method, server.url + path, timeout=10)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_request_at_once(server):
+    """The client gives up after 1 s of a long answer: the request is aborted within a step or two, with no
+    traceback in the log (the module's fixture checks the log), and its tokens count as generated."""
+    tokens = metric(server, "dspark_generation_tokens_total")
+    body = chat_body(messages=[{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=400)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=1.0)
+    start = time.time()
+    assert wait_until(server.idle, 10)
+    assert time.time() - start < 1.0, "the request outlived its client by more than a second"
+    assert metric(server, "dspark_generation_tokens_total") > tokens
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server):
+    srv = Server(server.llm.sibling("prompt-lookup", max_num_seqs=2), max_waiting=2, api_key="sesame")
+    srv.thread.start()
+    assert wait_until(lambda: srv.uvicorn.started, 60)
+    yield srv
+    srv.uvicorn.should_exit = True
+    srv.thread.join(30)
+
+
+def test_with_an_api_key_every_route_but_health_needs_it(keyed_server):
+    url = keyed_server.url
+    for method, path in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                         ("GET", "/docs"), ("GET", "/openapi.json")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            r = httpx.request(method, url + path, headers=headers, json=chat_body(max_tokens=2), timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+    assert greedy_chat(good, PROMPTS[0], max_tokens=3).choices[0].message.content
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sesame"}, timeout=10).status_code == 200

@@ -64,29 +64,45 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from .serve.app import serve
+    from .serve.settings import ServerSettings
 
-    llm = llm_from_args(args, max_num_seqs=args.max_num_seqs)
-    return serve(llm, args.host, args.port, args.model_name, args.max_waiting, args.default_max_tokens,
-                 args.graceful_seconds)
+    settings = ServerSettings(args.model_name, args.api_key, args.max_waiting, args.default_max_tokens,
+                              args.max_completion_tokens, args.max_prompt_tokens, args.max_n, args.max_body_bytes)
+    llm = llm_from_args(args, max_num_seqs=args.max_num_seqs, profile=args.profile)
+    return serve(llm, settings, args.host, args.port, args.graceful_seconds)
 
 
 def add_serve_parser(sub):
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)",
                         description="Serve the target (with the drafter and scheduler) behind an OpenAI-compatible "
-                                    "API: POST /v1/chat/completions and /v1/completions (stream or not; top_k as an "
-                                    "extension), GET /v1/models, /health and /metrics (Prometheus). All connections "
-                                    "share one engine loop, so concurrent requests are batched together. SIGINT or "
-                                    "SIGTERM stops accepting, lets running requests finish (--graceful-seconds), "
-                                    "cancels the rest and exits 0.")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+                                    "API: POST /v1/chat/completions and /v1/completions (stream or not; logprobs; "
+                                    "top_k as an extension), GET /v1/models, /health and /metrics (Prometheus). All "
+                                    "connections share one engine loop, so concurrent requests are batched together. "
+                                    "The port opens at once: without a cached SPS(B) profile the cost-table schedulers "
+                                    "start from a provisional table that measured steps correct (--profile measures "
+                                    "one first). SIGINT or SIGTERM stops accepting, lets running requests finish "
+                                    "(--graceful-seconds), cancels the rest and exits 0.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
+                    "only; 0.0.0.0 for every interface)")
     sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     sv.add_argument("--model-name", default="dspark", help="the model id clients send (default: %(default)s)")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: none required)")
     sv.add_argument("--max-num-seqs", type=int, default=64,
                     help="requests decoding at once, the batch limit (default: %(default)s)")
     sv.add_argument("--max-waiting", type=int, default=256,
                     help="requests queued beyond the running ones; more get 429 (default: %(default)s)")
     sv.add_argument("--default-max-tokens", type=int, default=256,
                     help="max_tokens when a request gives none (capped by the context) (default: %(default)s)")
+    sv.add_argument("--max-completion-tokens", type=int, default=None,
+                    help="the largest max_tokens a request may ask for (default: the context's room)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="the longest prompt in tokens; longer ones get 400 (default: the context less one)")
+    sv.add_argument("--max-n", type=int, default=16, help="choices per request at most (default: %(default)s)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="request body size at most; larger ones get 413 (default: %(default)s)")
+    sv.add_argument("--profile", action="store_true",
+                    help="with no cached SPS(B) profile, measure one before opening the port (minutes)")
     sv.add_argument("--graceful-seconds", type=float, default=30.0,
                     help="on shutdown, how long running requests may finish (default: %(default)s)")
     add_engine_args(sv)

@@ -93,7 +93,10 @@ NUMBERS = [("threads", 1, None, "torch threads"), ("gamma", 1, 64, "the draft bl
            ("max_model_len", 2, None, "the context limit"), ("max_tokens", 1, None, "new tokens"),
            ("temperature", 0.0, None, "0 is greedy"), ("top_p", 0.0, 1.0, "the nucleus mass, above 0"),
            ("top_k", 0, 2**31 - 1, "top-k"), ("threshold", 0.0, 1.0, "the survival threshold"),
-           ("max_num_seqs", 1, None, "requests at once"), ("port", 1, 65535, "the port")]
+           ("max_num_seqs", 1, None, "requests at once"), ("port", 1, 65535, "the port"),
+           ("max_waiting", 0, None, "queued requests"), ("default_max_tokens", 1, None, "new tokens"),
+           ("max_completion_tokens", 1, None, "new tokens"), ("max_prompt_tokens", 1, None, "prompt tokens"),
+           ("max_n", 1, None, "choices"), ("max_body_bytes", 1, None, "bytes")]
 
 
 def check_args(args) -> list[str]:

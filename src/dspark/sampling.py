@@ -10,6 +10,7 @@ import torch
 
 from .target.argmax import argmax_rows
 
+MAX_LOGPROBS = 20  # alternatives per token at most
 TOP_K_OFF = 2**62  # a top_k at least this large is no cut at all (and still fits a long)
 
 
@@ -22,6 +23,7 @@ class SamplingParams:
     seed: int | None = None  # per-request generator; None draws a fresh seed
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: each token's target log-probability and its k best alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -37,6 +39,9 @@ class SamplingParams:
             (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
              f"seed must be an integer or None, got {self.seed!r}"),  # any size: the generator takes it mod 2**64
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -136,3 +141,13 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last_nonzero = torch.searchsorted(cdf, total.contiguous(), right=False)
     broken = ~(torch.isfinite(total) & (total > 0)).squeeze(1)
     return torch.minimum(idx, last_nonzero).squeeze(1).masked_fill(broken, -1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """For rows of target logits [n, V] and the token chosen at each: (token, its log-probability, the k most likely
+    tokens with theirs), under the target's own distribution (temperature 1, no top-k/top-p cut)."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+    top = lp.topk(k, -1) if k else None
+    return [(t, c, [] if top is None else list(zip(top.indices[i].tolist(), top.values[i].tolist())))
+            for i, (t, c) in enumerate(zip(tokens, chosen))]

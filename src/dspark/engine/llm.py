@@ -30,13 +30,14 @@ class LLM:
     scheduler: "fixed", "plain", "threshold", "algorithm1", "async", "auto" (async where the drafter gives
     confidences, else fixed) or a Scheduler; algorithm1 and async cost steps with an SPS(B) table: `cost_table`
     (a file from `dspark profile`), else one profiled for this target, drafter and machine at first use and
-    cached. options: how the target computes (dspark.Options; None keeps the ones in force, by default exact).
+    cached (profile=False: a provisional table instead, corrected online, so that a server opens at once).
+    options: how the target computes (dspark.Options; None keeps the ones in force, by default exact).
     """
 
     def __init__(self, target: str | None = None, drafter="none", scheduler="fixed", *, gamma: int = 7,
                  dtype: str = "bf16", max_num_seqs: int = 64, max_model_len: int | None = None,
                  threads: int | None = None, cost_table: str | CostTable | None = None, threshold: float = 0.5,
-                 options: Options | None = None):
+                 options: Options | None = None, profile: bool = True):
         if options is not None:
             use_options(options)
         self.config = EngineConfig(target=target, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -44,6 +45,7 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         model, self.tokenizer, self.target_path = load_target(target, self.config.torch_dtype, self.config.q4_1)
+        self.profile = profile
         self._build_engine(model, drafter, scheduler, gamma, cost_table, threshold)
 
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
@@ -57,7 +59,7 @@ class LLM:
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
             key = (str(self.target_path), str(drafter), self.config.dtype, self.config.max_num_seqs,
                    torch.get_num_threads())
-            cost_table = CostTable.load(cost_table) if cost_table else cached_profile(self.engine, key)
+            cost_table = CostTable.load(cost_table) if cost_table else cached_profile(self.engine, key, self.profile)
         self.engine.scheduler = make_scheduler(scheduler, gamma=gamma, cost=cost_table, threshold=threshold)
 
     def sibling(self, drafter="none", scheduler="fixed", *, gamma: int = 7, cost_table=None, threshold: float = 0.5,

@@ -13,7 +13,7 @@ import torch
 from ..config import EngineConfig
 from ..draft.base import Drafter, NoDrafter, Proposal
 from ..draft.tree import layout, tree_verdict
-from ..sampling import SamplingParams, param_tensors, sample, warp
+from ..sampling import SamplingParams, param_tensors, sample, token_logprobs, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
 from ..target.argmax import argmax_rows
@@ -75,19 +75,19 @@ class LLMEngine:
             req.request_id = request_id
         return req
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request; its KV slot and drafter state are freed at once."""
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a request; its KV slot and drafter state are freed at once. Returns it (None: not in flight)."""
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 self._finish(req, "abort")
-                return True
+                return req
         for req in self.running:
             if req.request_id == request_id:
                 self._finish(req, "abort")
                 self._release([req])
-                return True
-        return False
+                return req
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -152,6 +152,8 @@ class LLMEngine:
         accepted = verdict.num_accepted.tolist()
         paths = verdict.path or [list(range(n)) for n in accepted]  # the accepted drafts (a tree's walk)
         new_tokens = [proposal.tokens[i, path].tolist() + [int(verdict.next_token[i])] for i, path in enumerate(paths)]
+        rows = [[s + k for k in [0, *(j + 1 for j in path)]] for s, path in zip(batch.starts.tolist(), paths)]
+        scores = self._logprobs(reqs, logits, rows, new_tokens)  # row of each new token's distribution
         self._commit(reqs, batch, out.features, [n + 1 for n in accepted], walks=verdict.path)  # 5. commit
         st.t_sample = time.perf_counter() - t
         st.num_requests, st.verify_tokens = len(reqs), int(batch.tokens.numel())
@@ -165,7 +167,7 @@ class LLMEngine:
             req.drafts_verified += v
             req.drafts_accepted += n
             req.steps += 1
-        return self._emit(reqs, new_tokens)  # 6. emit
+        return self._emit(reqs, new_tokens, scores)  # 6. emit
 
     # ---- pieces of the step ---------------------------------------------------------------------
     def _admit(self, st: StepStats) -> list[RequestOutput]:
@@ -209,8 +211,9 @@ class LLMEngine:
         vocab = logits.shape[-1]
         bad = [r for r, t in zip(new, first_tokens) if not 0 <= t < vocab]  # a row whose probabilities broke
         failed = self._fail(bad, ValueError("the first token fell outside the vocabulary (probabilities not finite)"))
-        good = [(r, [t]) for r, t in zip(new, first_tokens) if 0 <= t < vocab]
-        return failed + self._emit([r for r, _ in good], [t for _, t in good])
+        good = [i for i, t in enumerate(first_tokens) if 0 <= t < vocab]
+        scores = self._logprobs([new[i] for i in good], logits, [[i] for i in good], [[first_tokens[i]] for i in good])
+        return failed + self._emit([new[i] for i in good], [[first_tokens[i]] for i in good], scores)
 
     def _take_waiting(self) -> list[Request]:
         """Waiting requests to admit now: up to max_num_seqs running, and max_prefill_tokens of prompts
@@ -281,11 +284,21 @@ class LLMEngine:
             at = [slice(s, s + len(keep)) if walks is None else torch.tensor(keep) + s for s, keep in zip(starts, kept)]
             self.drafter.commit(reqs, [batch.tokens[i] for i in at], [features[i] for i in at])
 
-    def _emit(self, reqs: list[Request], new_tokens: list[list[int]]) -> list[RequestOutput]:
+    @staticmethod
+    def _logprobs(reqs: list[Request], logits: torch.Tensor, rows: list[list[int]], new_tokens: list[list[int]]):
+        """Per request that asked for them (params.logprobs), the target's log-probabilities of its new tokens, from
+        the logits rows that decided them; None for the others."""
+        return [None if req.params.logprobs is None else token_logprobs(logits[r], tokens, req.params.logprobs)
+                for req, r, tokens in zip(reqs, rows, new_tokens)]
+
+    def _emit(self, reqs: list[Request], new_tokens: list[list[int]], scores: list | None = None) -> list[RequestOutput]:
         outputs = []
-        for req, tokens in zip(reqs, new_tokens):
+        for req, tokens, score in zip(reqs, new_tokens, scores or [None] * len(reqs)):
             try:
+                before = len(req.output_ids)
                 delta = append_tokens(req, tokens, self.tokenizer, self.eos_ids, self.max_model_len)
+                if score is not None:  # the tokens kept (EOS, max_tokens and the context may stop early)
+                    req.logprobs += score[:len(req.output_ids) - before]
                 out = req.output(delta)
                 if req.on_output is not None and (delta or req.finished):
                     req.on_output(out)

@@ -32,6 +32,7 @@ class RequestOutput:
     drafts_verified: int = 0
     drafts_accepted: int = 0
     steps: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # per token, when asked for
 
     @property
     def acceptance_length(self) -> float:
@@ -58,6 +59,7 @@ class Request:
     drafts_accepted: int = 0
     steps: int = 0
     admitted_at: float | None = None  # time.perf_counter() when the engine took it from the queue
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # params.logprobs set
 
     def __post_init__(self):
         seed = self.params.seed if self.params.seed is not None else int(torch.randint(2**62, ()).item())
@@ -82,4 +84,5 @@ class Request:
     def output(self, delta: str) -> RequestOutput:
         return RequestOutput(self.request_id, self.text, delta, list(self.output_ids), self.finished,
                              self.finish_reason, self.error, len(self.prompt_ids), self.drafts_verified,
-                             self.drafts_accepted, self.steps)
+                             self.drafts_accepted, self.steps,
+                             None if self.params.logprobs is None else list(self.logprobs))

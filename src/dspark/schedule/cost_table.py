@@ -53,6 +53,18 @@ class CostTable:
             self.correction = [1.0] * len(self.verify_sizes)
 
     @classmethod
+    def provisional(cls, max_size: int = 512, max_requests: int = 64) -> "CostTable":
+        """A table to start from before this machine is profiled, cautious about speculation: a step's time doubles
+        every 16 tokens of B and a drafter call costs 30% of a one-token step, more than it does on the CPUs and GPUs
+        measured, so the schedulers verify fewer drafts than they should rather than more. Measured steps correct
+        its verify times online."""
+        sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, max(512, max_size)]
+        unit = 0.05  # seconds of a one-token step (only ratios matter to the schedulers, and corrections fix it)
+        requests = sorted({1, max(1, max_requests)})
+        return cls(sizes, [unit * (1 + (b - 1) / 16) for b in sizes], requests,
+                   [unit * (0.3 + 0.02 * (r - 1)) for r in requests], meta={"provisional": True})
+
+    @classmethod
     def from_sps(cls, sps: dict[int, float], **meta) -> "CostTable":
         """A table from steps per second at each B (no drafter term), e.g. Appendix A's example (docs/method.md)."""
         sizes = sorted(sps)

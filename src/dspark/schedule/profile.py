@@ -122,10 +122,11 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
     rejection_sample(p, batch.starts, drafts, None, lengths, u[:, :G], u[:, G])
 
 
-def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
+def cached_profile(engine: LLMEngine, key: tuple, profile: bool = True) -> CostTable:
     """The cost table for this engine, machine, product kernel, weight groups (target's and drafter's) and draft
     vocabulary from ~/.cache/dspark/profiles, profiled (about a minute) and saved there the first time; a file that
-    cannot be read (cut short, or written by another version) is profiled again and replaced."""
+    cannot be read (cut short, or written by another version) is profiled again and replaced. profile=False: with
+    no usable cached table, the provisional one (CostTable.provisional), said on stderr."""
     drafter = getattr(engine.drafter, "model", torch.nn.Module())
     groups = sum(getattr(m, "groups", None) is not None for m in [*engine.target.modules(), *drafter.modules()])
     draft_ids = getattr(drafter, "draft_ids", None)  # groups.py and a draft vocabulary change costs
@@ -138,6 +139,10 @@ def cached_profile(engine: LLMEngine, key: tuple) -> CostTable:
             return CostTable.load(path)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # partial or foreign: profile, replace it
             print(f"cannot read the cached cost table {path} ({e}); profiling again", file=sys.stderr, flush=True)
+    if not profile:
+        print("no SPS(B) profile cached for this engine and machine: scheduling from a provisional cost table that "
+              "measured steps correct (`dspark profile`, or --profile, measures one)", file=sys.stderr, flush=True)
+        return CostTable.provisional(max_requests=engine.config.max_num_seqs)
     print(f"profiling step times for the scheduler (once; cached at {path})", file=sys.stderr, flush=True)
     table = profile_engine(engine, max_requests=engine.config.max_num_seqs)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 """`dspark serve`: an OpenAI-compatible HTTP API (FastAPI + uvicorn) on one shared engine loop.
 
 POST /v1/chat/completions and /v1/completions (streaming with server-sent events, or not; n choices of
-one prompt share its prefill, choice i samples with seed + i), GET /v1/models,
-/health and /metrics (Prometheus). Errors use OpenAI's shape and never carry a stack trace; over the
-limits the answer is 429; prompt plus max_tokens over the context is 400; a client that goes away has
-its request aborted at once.
+one prompt share its prefill, choice i samples with seed + i; log-probabilities on request; a list of completion
+prompts answers each), GET /v1/models, /health and /metrics (Prometheus). Every error is an OpenAI error object
+without a stack trace: 400 invalid or unsupported parameters, 401 a bad API key, 404 an unknown model or route, 413 a
+body over the limit, 429 over the in-flight limit, 500 a request whose generation failed (only that request). A
+client that goes away has its request aborted within a step.
 """
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ from ..engine.llm import LLM
 from ..engine.request import RequestOutput
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, Overloaded, Stream
+from .guards import Guards
+from .logprobs import TokenText
 from .metrics import Metrics
-from .protocol import ChatRequest, CompletionRequest, SamplingFields, error_response
+from .protocol import ChatRequest, CompletionRequest, SamplingFields, error_response, unsupported
+from .settings import ServerSettings
+
+DISCONNECT_POLL = 0.05  # seconds between checks that a non-streaming client is still there
 
 
 class BadRequest(Exception):
@@ -37,14 +43,20 @@ class BadRequest(Exception):
         self.param, self.status, self.code = param, status, code
 
 
-def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, default_max_tokens: int = 256,
-              engine_thread: bool = True) -> FastAPI:
+class RequestFailed(Exception):
+    """The engine failed this request (and only it): 500 with its message."""
+
+
+def build_app(llm: LLM, settings: ServerSettings = ServerSettings(), engine_thread: bool = True) -> FastAPI:
     """engine_thread: start the engine loop on a thread of its own; False: the caller runs
     `app.state.engine.run()` (on the thread that loaded the model: see async_engine.py)."""
     engine = llm.engine
     metrics = Metrics()
-    loop_engine = AsyncEngine(engine, max_waiting, metrics)
+    loop_engine = AsyncEngine(engine, settings.max_waiting, metrics)
     max_len = engine.max_model_len
+    max_prompt = min(settings.max_prompt_tokens or max_len - 1, max_len - 1)
+    token_text = TokenText(llm.tokenizer)
+    model_name = settings.model_name
 
     @asynccontextmanager
     async def lifespan(app):
@@ -55,6 +67,7 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.state.engine = loop_engine
+    app.add_middleware(Guards, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     # ---- errors --------------------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -70,6 +83,10 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
     async def bad_request(request, exc: BadRequest):
         return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
 
+    @app.exception_handler(RequestFailed)
+    async def failed(request, exc: RequestFailed):
+        return error_response(500, str(exc), type_="server_error", code="generation_failed")
+
     @app.exception_handler(Overloaded)
     async def overloaded(request, exc: Overloaded):
         return error_response(429, str(exc), type_="rate_limit_error", code="overloaded")
@@ -83,40 +100,61 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
         return error_response(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
     # ---- requests ------------------------------------------------------------------------------------
-    def sampling(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i samples with seed + i."""
+    def check(body: SamplingFields, choices: int) -> None:
+        refused = unsupported(body)
+        if refused:
+            raise BadRequest(refused[1], param=refused[0], code="unsupported_parameter")
         if body.model != model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves {model_name!r}",
                              param="model", status=404, code="model_not_found")
+        if choices > settings.max_n:
+            raise BadRequest(f"{choices} choices asked for; this server answers at most {settings.max_n} per request",
+                             param="n")
+
+    def sampling(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: int | None,
+                 first_index: int = 0) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice k samples with seed + k."""
+        param = "messages" if isinstance(body, ChatRequest) else "prompt"
+        if len(prompt_ids) > max_prompt:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens; this server takes at most {max_prompt}",
+                             param=param, code="context_length_exceeded")
+        if max_tokens is not None and settings.max_completion_tokens is not None and max_tokens > settings.max_completion_tokens:
+            raise BadRequest(f"max_tokens is {max_tokens}; this server allows at most {settings.max_completion_tokens}",
+                             param="max_tokens")
         room = max_len - len(prompt_ids)
         if max_tokens is None:
-            max_tokens = max(1, min(default_max_tokens, room))
+            max_tokens = max(1, min(settings.default_max_tokens, settings.max_completion_tokens or room, room))
         if len(prompt_ids) + max_tokens > max_len:
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                              f"context of {max_len} tokens", param="max_tokens", code="context_length_exceeded")
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                max_tokens=max_tokens, seed=body.seed, stop=body.stop or [])
-        return [dataclasses.replace(params, seed=None if body.seed is None else body.seed + i) for i in range(body.n)]
-
-    def submit(prompt_ids: list[int], params: list[SamplingParams], partial: bool) -> Stream:
         try:
-            return loop_engine.submit(prompt_ids, params, partial)
+            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    max_tokens=max_tokens, seed=body.seed, stop=body.stop or [], logprobs=logprobs)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        return [dataclasses.replace(params, seed=None if body.seed is None else body.seed + first_index + i)
+                for i in range(body.n)]
+
+    def submit(prompts: list[list[int]], params: list[SamplingParams], partial: bool, prompt_tokens: int) -> Stream:
+        try:
+            return loop_engine.submit(prompts, params, partial, prompt_tokens)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def collect(stream: Stream, request: Request) -> list[RequestOutput]:
-        """Wait for every choice's whole answer; abort them all if the client leaves first or one fails."""
+    async def collect(stream: Stream, request: Request) -> list[RequestOutput] | None:
+        """Every choice's whole answer; None if the client left first (its choices are aborted then, as when one
+        fails)."""
         finals: dict[str, RequestOutput] = {}
         try:
             while len(finals) < len(stream.request_ids):
                 try:
-                    out = await asyncio.wait_for(stream.outputs.get(), timeout=0.5)
+                    out = await asyncio.wait_for(stream.outputs.get(), timeout=DISCONNECT_POLL)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        return None
                     continue
                 if out.finish_reason == "error":
-                    raise RuntimeError(out.error)
+                    raise RequestFailed(f"generation failed: {out.error}")
                 if out.finished:
                     finals[out.request_id] = out
         finally:
@@ -131,30 +169,32 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
                 "total_tokens": prompt_tokens + completion}
 
     def sse(stream: Stream, chunk, include_usage: bool):
-        """Server-sent events from chunk(index, delta, finish_reason, first) dicts, one per choice's step; aborts
-        the unfinished choices when the client disconnects."""
+        """Server-sent events from chunk(index, delta, finish_reason, first, logprob entries) dicts, one per choice's
+        step; aborts the unfinished choices when the client disconnects."""
         def event(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
         async def events():
             index = {r: i for i, r in enumerate(stream.request_ids)}
             finals: dict[str, RequestOutput] = {}
-            started: set[str] = set()
+            sent: dict[str, int] = {}  # log-probability entries already sent per choice
             try:
                 async for out in stream:
                     if out.finish_reason == "error":
-                        yield event({"error": {"message": out.error, "type": "server_error", "param": None,
-                                               "code": None}})
+                        yield event({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
+                                               "param": None, "code": "generation_failed"}})
                         break
-                    first = out.request_id not in started
+                    first = out.request_id not in sent
                     if out.delta or first or out.finished:
+                        done = sent.get(out.request_id, 0)
+                        entries = None if out.logprobs is None else out.logprobs[done:]
                         yield event(chunk(index[out.request_id], out.delta,
-                                          out.finish_reason if out.finished else None, first))
-                        started.add(out.request_id)
+                                          out.finish_reason if out.finished else None, first, entries))
+                        sent[out.request_id] = done if entries is None else done + len(entries)
                     if out.finished:
                         finals[out.request_id] = out
                 if include_usage and len(finals) == len(index):
-                    yield event({**chunk(0, None, None, False), "choices": [],
+                    yield event({**chunk(0, None, None, False, None), "choices": [],
                                  "usage": usage(list(finals.values()), stream.prompt_tokens)})
                 yield "data: [DONE]\n\n"
             finally:
@@ -165,41 +205,58 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        check(body, body.n)
         try:
-            prompt_ids = llm.chat_prompt([m.model_dump() for m in body.messages])
+            prompt_ids = llm.chat_prompt([m.for_template() for m in body.messages])
         except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
             raise BadRequest(f"messages: the chat template rejected them ({exc})", param="messages") from None
-        params = sampling(body, prompt_ids, body.max_completion_tokens or body.max_tokens)
-        stream = submit(prompt_ids, params, partial=body.stream)
+        params = sampling(body, prompt_ids, body.max_completion_tokens or body.max_tokens, body.logprobs_k)
+        stream = submit([prompt_ids] * len(params), params, body.stream, len(prompt_ids))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs(entries):
+            return None if entries is None else token_text.chat(entries)
         if body.stream:
-            def chunk(index, delta, finish, first):
+            def chunk(index, delta, finish, first, entries):
                 d = {} if delta is None else ({"role": "assistant", "content": delta} if first else {"content": delta})
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                        "choices": [{"index": index, "delta": d, "finish_reason": finish}]}
+                        "choices": [{"index": index, "delta": d, "logprobs": logprobs(entries),
+                                     "finish_reason": finish}]}
             return sse(stream, chunk, body.include_usage)
         outs = await collect(stream, request)
+        if outs is None:
+            return Response(status_code=499)  # nobody reads it
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                             "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
+                             "logprobs": logprobs(out.logprobs), "finish_reason": out.finish_reason}
+                            for i, out in enumerate(outs)],
                 "usage": usage(outs, stream.prompt_tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prompt_ids = (list(body.prompt) if isinstance(body.prompt, list) else
-                      llm.tokenizer.encode(body.prompt, add_special_tokens=False))
-        params = sampling(body, prompt_ids, body.max_tokens)
-        stream = submit(prompt_ids, params, partial=body.stream)
+        check(body, body.n * len(body.prompts))
+        ids = [list(p) if isinstance(p, list) else llm.tokenizer.encode(p, add_special_tokens=False)
+               for p in body.prompts]
+        params = [sp for j, prompt in enumerate(ids) for sp in sampling(body, prompt, body.max_tokens, body.logprobs,
+                                                                         j * body.n)]
+        prompts = [prompt for prompt in ids for _ in range(body.n)]
+        stream = submit(prompts, params, body.stream, sum(map(len, ids)))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs(entries):
+            return None if entries is None else token_text.completion(entries)
         if body.stream:
-            def chunk(index, delta, finish, first):
+            def chunk(index, delta, finish, first, entries):
                 return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [{"index": index, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"index": index, "text": delta or "", "logprobs": logprobs(entries),
+                                     "finish_reason": finish}]}
             return sse(stream, chunk, body.include_usage)
         outs = await collect(stream, request)
+        if outs is None:
+            return Response(status_code=499)
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": [{"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-                            for i, out in enumerate(outs)],
+                "choices": [{"index": i, "text": out.text, "logprobs": logprobs(out.logprobs),
+                             "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
                 "usage": usage(outs, stream.prompt_tokens)}
 
     @app.get("/v1/models")
@@ -215,19 +272,17 @@ def build_app(llm: LLM, model_name: str = "dspark", max_waiting: int = 256, defa
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.waiting.set(len(engine.waiting))
-        metrics.running.set(len(engine.running))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, model_name: str = "dspark", max_waiting: int = 256,
-          default_max_tokens: int = 256, graceful_seconds: float = 30.0) -> int:
+def serve(llm: LLM, settings: ServerSettings = ServerSettings(), host: str = "127.0.0.1", port: int = 8000,
+          graceful_seconds: float = 30.0) -> int:
     """Run until SIGINT/SIGTERM: stop accepting, let running requests finish for up to graceful_seconds,
     cancel the rest, exit 0 (1 if the HTTP server could not start). The engine loop runs on this thread, the
     one that loaded the model, and the HTTP server on another (see async_engine.py)."""
-    app = build_app(llm, model_name, max_waiting, default_max_tokens, engine_thread=False)
+    app = build_app(llm, settings, engine_thread=False)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=graceful_seconds)
     server = uvicorn.Server(config)  # on a thread other than the main one it leaves signals alone
     http = threading.Thread(target=server.run, name="dspark-http")

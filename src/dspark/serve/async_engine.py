@@ -76,17 +76,19 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.error is None and not self.finished.is_set()
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams], partial: bool = True) -> Stream:
-        """Check and queue one request per params (n samples of one prompt: admitted together, they share one
-        prefill), all or none; raises ValueError (bad input) or Overloaded (over the limits).
-        partial=False: the stream gets only the finished outputs."""
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], partial: bool = True,
+               prompt_tokens: int | None = None) -> Stream:
+        """Check and queue one request per (prompt, params) pair (n samples of one prompt: admitted together, they
+        share one prefill), all or none; raises ValueError (bad input) or Overloaded (over the limits).
+        partial=False: the stream gets only the finished outputs. prompt_tokens: what usage counts (default: the
+        first prompt's length)."""
         if self.stopping.is_set():
             raise Overloaded("the server is shutting down")
         if len(params) > self.max_in_flight:
-            raise ValueError(f"n = {len(params)} is more than this server holds at once ({self.max_in_flight})")
-        reqs = [self.engine.new_request(prompt_ids, p) for p in params]
-        stream = Stream([r.request_id for r in reqs], len(reqs[0].prompt_ids), asyncio.Queue(),
-                        asyncio.get_running_loop(), partial)
+            raise ValueError(f"{len(params)} choices are more than this server holds at once ({self.max_in_flight})")
+        reqs = [self.engine.new_request(ids, p) for ids, p in zip(prompts, params)]
+        stream = Stream([r.request_id for r in reqs], len(reqs[0].prompt_ids) if prompt_tokens is None else prompt_tokens,
+                        asyncio.Queue(), asyncio.get_running_loop(), partial)
         with self.lock:
             if len(self.streams) + len(reqs) > self.max_in_flight:
                 self.metrics.rejected.labels("overloaded").inc()
@@ -140,6 +142,7 @@ class AsyncEngine:
     def _handle(self, kind: str, value) -> None:
         if kind == "add":
             self.engine.waiting.extend(r for r in value if r.request_id in self.streams)  # not cancelled while queued
+            self._observe_load()
         elif kind == "abort":
             self._abort(value)
         # "stop": the loop checks self.stopping
@@ -175,8 +178,12 @@ class AsyncEngine:
         stream = self.streams.get(request_id)
         if stream is None:
             return
-        self.engine.abort(request_id)
-        out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
+        req = self.engine.abort(request_id)
+        if req is None:  # not yet handed to the engine
+            out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
+        else:  # its tokens so far count
+            req.finish_reason, req.error = reason, error
+            out = req.output("")
         self._deliver([out])
         self._observe_load()
 
