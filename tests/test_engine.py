@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dspark import SamplingParams
 from dspark.draft import Drafter, Proposal
@@ -265,3 +266,23 @@ def test_streamed_deltas_concatenate_to_the_final_text(llm_bf16, chat_prompts):
         if p.stop:
             assert out.finish_reason == "stop" and p.stop[0] not in out.text
     assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 7
+
+
+def test_logprobs_are_the_targets_whatever_the_drafter(make_llm, chat_ids, smollm_fp32):
+    """Each emitted token's log-probability and alternatives come from the target row that decided it: with drafts
+    (several tokens a step) they are the ones plain decoding reports, and they match a forward of the whole
+    answer through the target."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    plain = make_llm().generate(chat_ids[:2], params)
+    drafted = make_llm(drafter="prompt-lookup").generate(chat_ids[:2], params)
+    for p, d in zip(plain, drafted):
+        assert d.token_ids == p.token_ids and len(p.logprobs) == len(p.token_ids)
+        for (tp, lp, top_p), (td, ld, top_d) in zip(p.logprobs, d.logprobs):
+            assert tp == td and abs(lp - ld) < 1e-4 and [t for t, _ in top_p] == [t for t, _ in top_d]
+    model = AutoModelForCausalLM.from_pretrained(smollm_fp32[2], dtype=torch.float32).eval()  # transformers' own
+    ids = chat_ids[0] + plain[0].token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(chat_ids[0]) - 1:-1].float().log_softmax(-1)
+    expected = logits.gather(-1, torch.tensor(plain[0].token_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor([lp for _, lp, _ in plain[0].logprobs]), expected, atol=1e-3)
+    assert make_llm().generate(chat_ids[0], SamplingParams(temperature=0, max_tokens=3))[0].logprobs is None

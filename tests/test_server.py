@@ -470,3 +470,80 @@ def test_with_an_api_key_every_route_but_health_needs_it(keyed_server):
     good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
     assert greedy_chat(good, PROMPTS[0], max_tokens=3).choices[0].message.content
     assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sesame"}, timeout=10).status_code == 200
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+FUZZ_SEED, FUZZ_COUNT = 20261207, 1200
+WEIRD = [None, True, False, 0, -1, 1, 2, 3, 1.5, -0.0, 1e-40, 1e308, -1e308, 2**31, 2**63, 2**64, -2**63, 10**40,
+         "", "x", "2", "NaN", "Infinity", "\ud800", "é" * 3, "\x00", "a" * 5000, [], [1], [[]], ["x"], [None], {},
+         {"type": "text"}, {"a": {"b": {"c": [1, [2, [3]]]}}}, [[[[[[[[[[1]]]]]]]]]]]
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+          "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "user", "tools",
+          "presence_penalty", "echo", "best_of", "response_format", "unknown_field"]
+
+
+def fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict]:
+    """(method, path, body, headers): a valid small request with 1-3 random mutations, or raw junk."""
+    path = rng.choice(["/v1/chat/completions", "/v1/completions"])
+    headers = {"content-type": "application/json"}
+    kind = rng.random()
+    if kind < 0.08:  # not JSON, or JSON that is not an object
+        body = rng.choice([b"", b"{", b"}", b"null", b"[1, 2]", b"42", b'"text"', b"\xff\xfe\x00",
+                           bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))), b'{"model": ' * 50])
+        return "POST", path, body, headers
+    if kind < 0.11:  # other routes and methods
+        return rng.choice(["GET", "PUT", "DELETE", "PATCH"]), rng.choice([path, "/", "/v1", "/v2/x", "/metrics/..",
+                                                                        "/v1/models/x"]), b"", headers
+    body: dict = {"model": MODEL, "max_tokens": rng.choice([1, 2, 3]), "temperature": rng.choice([0, 0.8])}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    else:
+        body["prompt"] = rng.choice(["Once upon a time", [1, 2, 3], ["a", "b"]])
+    for _ in range(rng.randint(1, 3)):
+        field = rng.choice(FIELDS)
+        action = rng.random()
+        if action < 0.15:
+            body.pop(field, None)
+        elif action < 0.25 and field == "messages":
+            body["messages"] = [{"role": rng.choice(["user", "assistant", "system", "x", None]),
+                                 "content": rng.choice(WEIRD)} for _ in range(rng.randint(0, 3))]
+        else:
+            body[field] = rng.choice(WEIRD)
+    if rng.random() < 0.03:
+        headers["content-type"] = rng.choice(["text/plain", "application/x-www-form-urlencoded", ""])
+    raw = json.dumps(body).encode() if rng.random() > 0.05 else json.dumps(body).encode()[:-rng.randint(1, 5)]
+    return "POST", path, raw, headers
+
+
+def test_fuzzed_requests_never_get_5xx_and_the_server_goes_on(server, client):
+    """FUZZ_COUNT seeded random malformed and adversarial requests, 4 at a time: no 5xx, every answer JSON with the
+    error shape (or a valid answer or stream), no traceback in the log (the module fixture checks it at the end), and
+    a normal request afterwards is answered as before."""
+    before = greedy_chat(client, PROMPTS[0], max_tokens=8).choices[0].message.content
+    rng = random.Random(FUZZ_SEED)
+    cases = [fuzz_request(rng) for _ in range(FUZZ_COUNT)]
+    http = httpx.Client(base_url=server.url, timeout=60)
+
+    def send(case):
+        method, path, body, headers = case
+        r = http.request(method, path, content=body, headers=headers)
+        return case, r.status_code, r.headers.get("content-type", ""), r.text
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(send, cases))
+    statuses: dict[int, int] = {}
+    for (method, path, body, _), status, ctype, text in results:
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status < 500, (method, path, body[:200], text[:300])
+        if ctype.startswith("text/event-stream"):
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and all(json.loads(e) for e in events[:-1])
+            continue
+        payload = json.loads(text)
+        if status >= 400:
+            assert set(payload["error"]) == {"message", "type", "param", "code"} and payload["error"]["message"]
+        assert "Traceback" not in text
+    print(f"fuzz: {FUZZ_COUNT} requests (seed {FUZZ_SEED}), statuses {dict(sorted(statuses.items()))}")
+    assert statuses.get(200, 0) >= 50 and sum(v for k, v in statuses.items() if 400 <= k < 500) >= 500
+    assert wait_until(server.idle, 30)
+    assert greedy_chat(client, PROMPTS[0], max_tokens=8).choices[0].message.content == before
