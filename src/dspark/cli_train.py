@@ -212,7 +212,7 @@ def cmd_export(args) -> int:
         raise ValueError("export to another folder than the drafter's own")
     target = load_target(args.target, torch.float32)[0]
     model = load_drafter(src, target, dtype=torch.float32)
-    save_drafter(model, dst, export_frozen=args.with_frozen,
+    save_drafter(model, dst, export_frozen=not args.trainable_only, layout=args.format,
                  dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     for extra in ("train_log.jsonl", "calibration.json", "reliability.png", "draft_vocab.json"):
         if (src / extra).is_file():
@@ -221,21 +221,25 @@ def cmd_export(args) -> int:
         state = torch.load(src / "train_state.pt", weights_only=False)
         (dst / "training.json").write_text(json.dumps({"step": state["step"], "config": state["config"]}, indent=1))
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors")) / 2**20
-    print(f"exported {src} -> {dst} ({args.dtype}, {size:.1f} MB of weights)", file=sys.stderr)
+    print(f"exported {src} -> {dst} ({args.format} layout, {args.dtype}, {size:.1f} MB of weights)", file=sys.stderr)
     return 0
 
 
 def add_export_parser(sub):
-    ex = sub.add_parser("export", help="write a drafter for shipping: bf16, optionally with the frozen weights",
-                        description="Write a trained drafter in the released layout (config.json + model.safetensors) "
-                                    "in bf16 or fp32: trainable weights only (they load here against the target), or "
-                                    "with the target's embedding and LM head (--with-frozen) for engines that expect "
-                                    "every weight in the file. The training log, settings, calibration and draft "
-                                    "vocabulary come along.")
+    ex = sub.add_parser("export", help="write a drafter for shipping, in the layout another engine or trainer loads",
+                        description="Write a trained drafter as config.json + model.safetensors (bf16 or fp32) in a "
+                                    "layout: deepspec (default), the released one, complete with the target's "
+                                    "embedding and LM head, as DeepSpec, vLLM and SGLang load it; or specforge, "
+                                    "SpecForge's DSparkDraftModel (drafter fields under dflash_config, no embedding "
+                                    "or LM head). Both load here too. The training log, settings, calibration and "
+                                    "draft vocabulary come along.")
     ex.add_argument("--drafter", required=True, help="the trained drafter folder")
     ex.add_argument("--out", required=True, help="the folder to write")
+    ex.add_argument("--format", default="deepspec", choices=["deepspec", "specforge"],
+                    help="checkpoint layout (default: %(default)s)")
     ex.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights dtype (default: %(default)s)")
-    ex.add_argument("--with-frozen", action="store_true", help="include the embedding and LM head")
+    ex.add_argument("--trainable-only", action="store_true",
+                    help="deepspec layout without the embedding and LM head (smaller; loads only beside the target)")
     ex.add_argument("--target", default=None, help="the target the drafter was trained for (default: the bundled "
                                                      "SmolLM2-135M-Instruct)")
     ex.set_defaults(func=cmd_export)

@@ -1,7 +1,8 @@
-"""Drafter checkpoints in the released DeepSpec layout (docs/checkpoint_format.md): config.json (the target's
-config plus drafter fields) and model.safetensors. Ours carry only the trainable weights by default; the
-frozen embedding and LM head come from the target at load time (`export_frozen=True` writes them too, for
-engines that expect them). Extras (calibration, training state) live in separate files beside them."""
+"""Drafter checkpoints (docs/checkpoint_format.md): config.json (the target's config plus drafter fields) and
+model.safetensors, in the released DeepSpec layout or SpecForge's (layouts.py). Training writes only the trainable
+weights, the frozen embedding and LM head coming from the target at load time; `export_frozen=True` (what `dspark
+export` does by default) writes them too, as engines that load every weight from the file expect. Extras
+(calibration, training state) live in separate files beside them."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from .dspark_model import DSparkModel, build_target_layer_ids  # noqa: F401 (re-exported)
 from .eagle3_model import EAGLE3_ARCHITECTURE, Eagle3Model
+from .layouts import LAYOUTS, from_specforge, is_specforge, to_specforge
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 
@@ -41,11 +43,15 @@ def default_mask_token(target_config: dict) -> int:
     return 16
 
 
-def _atomic_write(path: Path, write):
+def atomic_write(path: Path, write):
+    """write(tmp) then rename over path, with a new file's usual permissions (mkstemp's are 0600)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -54,17 +60,25 @@ def _atomic_write(path: Path, write):
 
 
 def save_drafter(model: DSparkModel | Eagle3Model, folder: str | Path, *, export_frozen: bool = False,
-                 dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors (each file atomically)."""
+                 dtype: torch.dtype | None = None, layout: str = "deepspec") -> Path:
+    """Write config.json + model.safetensors (each file atomically) in a layout of layouts.py; the specforge layout
+    never holds the frozen weights."""
     if model.draft_ids is not None:
         raise ValueError("this drafter's heads were cut to its draft vocabulary (inference only); save the full model")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown checkpoint layout {layout!r}: give one of {', '.join(LAYOUTS)}")
+    if layout == "specforge" and is_eagle3(model.config):
+        raise ValueError("the specforge layout is for DSpark and DFlash drafters; Eagle3-style ones export as deepspec")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    keep_frozen = export_frozen and layout == "deepspec"
     state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()
-             if export_frozen or k not in FROZEN}
+             if keep_frozen or k not in FROZEN}
     config = dict(model.config, torch_dtype=str(dtype or model.dtype).removeprefix("torch."))
-    _atomic_write(folder / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
-    _atomic_write(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2)))
+    if layout == "specforge":
+        config = to_specforge(config)
+    atomic_write(folder / "model.safetensors", lambda p: save_file(state, p, metadata={"format": "pt"}))
+    atomic_write(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2)))
     return folder
 
 
@@ -91,6 +105,8 @@ def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = No
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
     config = json.loads((folder / "config.json").read_text())
+    if is_specforge(config):
+        config = from_specforge(config, default_mask_token(config))
     required = ("target_layer_ids", "block_size") if is_eagle3(config) else ("target_layer_ids", "block_size",
                                                                               "mask_token_id")
     missing = [k for k in required if k not in config]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..draft.checkpoint import _atomic_write, draft_config, load_drafter, save_drafter
+from ..draft.checkpoint import atomic_write, draft_config, load_drafter, save_drafter
 from ..draft.draft_vocab import DRAFT_VOCAB_FILE, TrainingVocab, answer_vocab, load_draft_vocab, save_draft_vocab
 from ..draft.dspark_model import DSparkModel
 from ..draft.eagle3_model import Eagle3Model, eagle3_config
@@ -278,7 +278,7 @@ class Trainer:
         save_drafter(self.model, self.out)
         state = {"step": self.step, "opt": self.opt.state_dict(), "config": asdict(self.cfg),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-        _atomic_write(self.state_path, lambda p: torch.save(state, p))
+        atomic_write(self.state_path, lambda p: torch.save(state, p))
 
     def _resume(self):
         state = torch.load(self.state_path, weights_only=False)
