@@ -7,6 +7,7 @@ Sections: Appendix A | properties | engine.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -348,3 +349,26 @@ def test_engine_skipping_the_drafter_stays_lossless(tiny_target, tiny_target_dir
     assert skipped and len(skipped) < len(stats)
     assert all(not sum(s.drafted) and s.verify_tokens == s.num_requests for s in skipped)
     assert all(s.expected_tau == s.num_requests for s in skipped)  # predictions cover every step, as τ does
+
+
+def test_without_a_cached_profile_a_server_starts_from_the_provisional_table(base_llm_fp32, monkeypatch, tmp_path,
+                                                                            capsys, chat_ids):
+    """`dspark serve` does not profile before opening its port (unless --profile): with no profile cached the cost
+    table is the provisional one, said on stderr, and measured steps start correcting it at once."""
+    import copy
+
+    from dspark.cli import build_parser
+    from dspark.schedule import profile
+
+    assert build_parser().parse_args(["serve"]).profile is False
+    monkeypatch.setattr(profile, "cache_root", lambda: tmp_path)  # nothing cached
+    unprofiled = copy.copy(base_llm_fp32)
+    unprofiled.profile = False
+    start = time.perf_counter()
+    llm = unprofiled.sibling("default", "async")
+    assert time.perf_counter() - start < 30
+    table = llm.engine.scheduler.cost
+    assert table.meta == {"provisional": True} and "provisional cost table" in capsys.readouterr().err
+    llm.generate(chat_ids[:2], SamplingParams(temperature=0, max_tokens=8))
+    assert any(c != 1.0 for c in table.correction), "measured steps should correct the table"
+    assert not list(tmp_path.iterdir()), "nothing profiled, nothing written"
