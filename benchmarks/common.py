@@ -47,7 +47,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from dspark.target.upcast import cpu_bf16_unit
+    from dspark.kernels.upcast import cpu_bf16_unit
 
     return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "bf16_matrix_unit": cpu_bf16_unit(),

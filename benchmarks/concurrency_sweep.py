@@ -29,7 +29,7 @@ from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, fin
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 from dspark.schedule import CostTable  # noqa: E402
-from dspark.schedule.profile import profile_engine  # noqa: E402
+from dspark.engine.profile import profile_engine  # noqa: E402
 
 DEFAULT_DRAFTER = "default"
 FULL = {"concurrency": "1,2,4,8,16,32,64", "max_new_tokens": 96, "min_requests": 6, "repeats": 2,

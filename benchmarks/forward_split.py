@@ -28,7 +28,7 @@ from benchmarks.common import (RESULTS_DIR, Log, add_presets, apply_presets, fin
 from benchmarks.step_time import VerifyBench  # noqa: E402
 from dspark import LLM, options  # noqa: E402
 from dspark.target import model as target_model  # noqa: E402
-from dspark.target.fused_layers import model_weights  # noqa: E402
+from dspark.kernels.fused_layers import model_weights  # noqa: E402
 
 FULL = {"dtype": "bf16,fp32", "tokens": "1,4,8", "repeats": 5, "timings": 5, "context": 200}
 QUICK = {"dtype": "bf16", "tokens": "1,2", "repeats": 1, "timings": 2, "context": 16}

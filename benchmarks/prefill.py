@@ -30,7 +30,7 @@ from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, add_presets, 
 from benchmarks.peers import (DsparkPeer, LlamaCppPeer, TransformersPeer, llama_cpp_problem,  # noqa: E402
                               load_transformers)
 from dspark import LLM, options  # noqa: E402
-from dspark.target.fused_layers import MAX_TOKENS, fuses_prefill  # noqa: E402
+from dspark.kernels.fused_layers import MAX_TOKENS, fuses_prefill  # noqa: E402
 from dspark.target.loading import bundled_gguf  # noqa: E402
 
 FULL = {"prompts": 10, "long": 6, "join": 4, "repeats": 3}

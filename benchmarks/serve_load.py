@@ -1,12 +1,12 @@
 """A bounded load test of `dspark serve` on loopback: --clients concurrent clients send --requests requests
-(chat, mixed streaming and not, some disconnecting mid-stream), greedy, to a `dspark serve` process; then the
-requests that completed go through the offline engine at the same concurrency. Checks: no response lost or
-corrupted, every greedy answer equal to the offline one (fp32 by default, where batch composition cannot
-change a greedy answer), the server idle afterwards (nothing running or waiting, no KV cache held, per its
-/metrics) and exiting 0 on SIGTERM; reports latency percentiles, total tokens/s, and server over offline
-throughput.
+(chat, mixed streaming and not), greedy, to a `dspark serve` process; then --drops streaming clients leave
+mid-answer. The requests go through the offline engine too, at the same concurrency (throughput) and each alone
+(the reference answer: the numerics contract makes batching change nothing, in bf16 as in float32). Checks: no
+response lost or corrupted, every greedy answer equal to the one the request gets alone, the KV cache back to its
+idle level within a second of the drops, the server idle afterwards and exiting 0 on SIGTERM; reports latency
+percentiles, the server's resident memory before and after, tokens/s and server over offline throughput.
 
-    python benchmarks/serve_load.py            # 32 clients, 320 requests; writes benchmarks/results/serve_load.*
+    python benchmarks/serve_load.py            # 32 clients x 3 requests, 8 drops; writes benchmarks/results/serve_load.*
     python benchmarks/serve_load.py --quick
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from benchmarks.common import (DEFAULT_DATA_DIR, add_presets, apply_presets, RES
 from dspark.config import DTYPE_CHOICES  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
 
-FULL = {"clients": 32, "requests": 320, "max_tokens": 48, "stream_fraction": 0.5, "disconnect_fraction": 0.1}
-QUICK = {"clients": 4, "requests": 12, "max_tokens": 8, "stream_fraction": 0.5, "disconnect_fraction": 0.2}
+FULL = {"clients": 32, "requests": 96, "max_tokens": 48, "stream_fraction": 0.5, "drops": 8}
+QUICK = {"clients": 4, "requests": 8, "max_tokens": 8, "stream_fraction": 0.5, "drops": 2}
 MODEL = "dspark"
 
 
@@ -43,7 +43,7 @@ def parse_args(argv):
     add_presets(p, FULL, QUICK)
     p.add_argument("--drafter", default="prompt-lookup", help="[%(default)s, as `dspark serve`]")
     p.add_argument("--scheduler", default="fixed", help="[%(default)s, as `dspark serve`]")
-    p.add_argument("--dtype", default="fp32", choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=str(RESULTS_DIR / "serve_load"))
@@ -137,6 +137,33 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def resident_mb(pid: int) -> float:
+    """A process's resident memory in MB (Linux /proc; NaN elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return float("nan")
+
+
+async def drop_streams(url: str, jobs: list[dict]) -> list[dict]:
+    """Streaming clients that each leave after a few events, all at once."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await asyncio.gather(*(one_request(client, url, job) for job in jobs))
+
+
+def kv_back_to_idle(base: str, idle_level: float, seconds: float = 30.0) -> float:
+    """Seconds until the server's KV slots in use fall back to idle_level (inf if not within `seconds`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        if read_metrics(base).get("dspark_kv_cache_slots_used", 0.0) <= idle_level:
+            return time.monotonic() - start
+        time.sleep(0.02)
+    return float("inf")
+
+
 def read_metrics(base: str) -> dict[str, float]:
     metrics = {}
     for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
@@ -165,10 +192,11 @@ def main(argv=None) -> int:
     log = Log()
     texts = [p["text"] for p in load_prompts(args.data_dir, min(args.requests, 150))]
     jobs = []
-    for i in range(args.requests):  # evenly spread: every 1/fraction-th request disconnects, then streams
-        hits = lambda f: int((i + 1) * f) > int(i * f)  # noqa: E731
-        mode = "disconnect" if hits(args.disconnect_fraction) else "stream" if hits(args.stream_fraction) else "plain"
+    for i in range(args.requests):  # evenly spread: every 1/fraction-th request streams
+        mode = "stream" if int((i + 1) * args.stream_fraction) > int(i * args.stream_fraction) else "plain"
         jobs.append({"index": i, "text": texts[i % len(texts)], "mode": mode, "max_tokens": args.max_tokens})
+    drops = [{"index": args.requests + i, "text": texts[i % len(texts)], "mode": "disconnect", "max_tokens": 400}
+             for i in range(args.drops)]
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -177,11 +205,18 @@ def main(argv=None) -> int:
     proc = start_server(args, port, server_log)
     log(f"`dspark serve` up (pid {proc.pid}); {args.requests} requests from {args.clients} clients")
     try:
+        rss_before = resident_mb(proc.pid)
+        kv_idle_level = read_metrics(base).get("dspark_kv_cache_slots_used", 0.0)
         start, clients_cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(proc.pid)
         answers = asyncio.run(run_clients(base + "/v1/chat/completions", jobs, args.clients))
         server_seconds = time.perf_counter() - start
         clients_cpu, server_cpu = time.process_time() - clients_cpu, cpu_seconds(proc.pid) - server_cpu
+        wait_idle(base)
+        dropped = asyncio.run(drop_streams(base + "/v1/chat/completions", drops))
+        kv_seconds = kv_back_to_idle(base, kv_idle_level)
+        log(f"{len(drops)} streams dropped mid-answer: KV cache back to idle in {kv_seconds:.2f} s")
         after = wait_idle(base)
+        rss_after = resident_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)  # graceful shutdown: nothing runs, so it exits at once, with 0
         exit_code = proc.wait(120)
     finally:
@@ -190,9 +225,8 @@ def main(argv=None) -> int:
     idle = after["idle"]
     log(f"server pass: {server_seconds:.1f} s; idle afterwards: {idle}; exit code after SIGTERM: {exit_code}")
 
-    # the requests that completed on the server, offline, at the same concurrency (the server also ran the
-    # disconnected ones part of the way: the comparison is conservative for the server)
-    complete = [a for a in answers if a["mode"] != "disconnect"]
+    # the same requests offline: at the same concurrency (throughput), then each alone (the reference answers)
+    complete = answers
     llm = LLM(drafter=args.drafter, scheduler=args.scheduler, dtype=args.dtype, max_num_seqs=args.clients)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     prompts = [llm.chat_prompt(jobs[a["index"]]["text"]) for a in complete]
@@ -201,10 +235,12 @@ def main(argv=None) -> int:
     offline_seconds, offline_cpu = time.perf_counter() - start, time.process_time() - offline_cpu
     offline_steps = list(llm.engine.stats)
     log(f"offline pass: {offline_seconds:.1f} s")
+    alone = {a["index"]: llm.generate(p, greedy)[0] for a, p in zip(complete, prompts)}
+    log("each request alone: done")
 
     lost = [a for a in complete if a.get("exception") or a.get("status") != 200 or a.get("error")
             or (a["mode"] == "stream" and not a.get("done")) or a.get("finish") is None]
-    equal = [a for a in complete if a.get("text") == offline[a["index"]].text]
+    equal = [a for a in complete if a.get("text") == alone[a["index"]].text]
     tokens = sum(len(o.token_ids) for o in offline.values())  # the same completed answers in both passes
     latencies = sorted(a["latency"] for a in complete if "latency" in a)
     firsts = sorted(a["first_token"] for a in complete if "first_token" in a)
@@ -216,11 +252,14 @@ def main(argv=None) -> int:
     server_rate, offline_rate = tokens / server_seconds, tokens / offline_seconds
     result = result_header("serve_load", __file__, argv)
     result["settings"] = {k: getattr(args, k) for k in (*FULL, "drafter", "scheduler", "dtype")}
-    row = {"requests": len(jobs), "completed": len(complete), "disconnects": len(jobs) - len(complete),
-           "lost_or_corrupted": len(lost), "greedy_equal_offline": len(equal) / max(len(complete), 1),
-           "engine_idle_after": idle, "kv_slots_after": after.get("dspark_kv_cache_slots_used"),
-           "exit_code_after_sigterm": exit_code, "aborted_in_metrics": aborted,
-           "latency_p50_s": pct(latencies, 0.5), "latency_p90_s": pct(latencies, 0.9), "latency_p99_s": pct(latencies, 0.99),
+    row = {"requests": len(jobs), "completed": len(complete), "lost_or_corrupted": len(lost),
+           "greedy_equal_alone": len(equal) / max(len(complete), 1),
+           "greedy_equal_offline_batch": sum(a.get("text") == offline[a["index"]].text for a in complete) / len(complete),
+           "dropped_streams": len(drops), "dropped_streams_started": sum(d.get("status") == 200 for d in dropped),
+           "kv_back_to_idle_s": kv_seconds, "engine_idle_after": idle,
+           "kv_slots_after": after.get("dspark_kv_cache_slots_used"), "exit_code_after_sigterm": exit_code,
+           "aborted_in_metrics": aborted, "server_rss_mb_before": rss_before, "server_rss_mb_after": rss_after,
+           "latency_p50_s": pct(latencies, 0.5), "latency_p95_s": pct(latencies, 0.95), "latency_p99_s": pct(latencies, 0.99),
            "first_token_p50_s": pct(firsts, 0.5), "first_token_p90_s": pct(firsts, 0.9),
            "server_tokens_per_s": server_rate, "offline_tokens_per_s": offline_rate,
            "server_seconds": server_seconds, "offline_seconds": offline_seconds,
@@ -233,7 +272,8 @@ def main(argv=None) -> int:
            "offline_mean_B": sum(st.verify_tokens for st in offline_steps) / max(len(offline_steps), 1)}
     result["rows"] = [row]
     result["headline"] = {"server_over_offline_throughput": server_rate / offline_rate, "server_lost_responses": len(lost),
-                          "server_greedy_equal_offline": row["greedy_equal_offline"]}
+                          "server_kv_leaked_blocks": (after.get("dspark_kv_cache_slots_used") or 0.0) - kv_idle_level,
+                          "server_greedy_equal_alone": row["greedy_equal_alone"]}
     if lost:
         result["lost_examples"] = lost[:5]
     md = "\n".join([result_preamble(result), markdown_table([{"figure": k, "value": v} for k, v in row.items()],
@@ -242,7 +282,8 @@ def main(argv=None) -> int:
                                                       ["figure", "value"])])
     json_path, md_path = write_result(args.out, result, md)
     log(f"wrote {json_path}; headline {result['headline']}")
-    return 0 if not lost and idle and exit_code == 0 and len(equal) == len(complete) else 1
+    ok = not lost and idle and exit_code == 0 and len(equal) == len(complete) and kv_seconds <= 1.0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

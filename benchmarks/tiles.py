@@ -26,9 +26,9 @@ from benchmarks.common import (RESULTS_DIR, Log, add_presets, apply_presets, fin
 from benchmarks.step_time import VerifyBench  # noqa: E402
 from benchmarks.forward_split import fused  # noqa: E402
 from dspark import LLM, options  # noqa: E402
-from dspark.target import fused_layers  # noqa: E402
-from dspark.target.argmax import argmax_rows  # noqa: E402
-from dspark.target.skinny import runs_tiles, skinny_linear, tiles  # noqa: E402
+from dspark.kernels import fused_layers  # noqa: E402
+from dspark.kernels.argmax import argmax_rows  # noqa: E402
+from dspark.kernels.skinny import runs_tiles, skinny_linear, tiles  # noqa: E402
 
 FULL = {"rows": "1,2,4,8,16,32", "requests": "4,8,16,32", "repeats": 10, "timings": 5, "context": 200}
 QUICK = {"rows": "1,4", "requests": "2", "repeats": 1, "timings": 2, "context": 16}

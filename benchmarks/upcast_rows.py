@@ -19,7 +19,7 @@ from benchmarks.common import (DEFAULT_DATA_DIR, RESULTS_DIR, Log, load_prompts,
                                result_header, result_preamble, write_result)
 from benchmarks.step_time import VerifyBench  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
-from dspark.target import upcast  # noqa: E402
+from dspark.kernels import upcast  # noqa: E402
 
 NEVER = 10**9  # MANY_ROWS that keeps every verify forward in bf16 (the path before 6a1165c)
 CHOSEN = upcast.MANY_ROWS

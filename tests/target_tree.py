@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.draft.base import Drafter, Proposal
+from dspark.draft.base import Drafter
+from dspark.proposal import Proposal
 from dspark.sampling import SamplingParams, param_tensors, sample, warp
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch

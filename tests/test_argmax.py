@@ -4,7 +4,7 @@ multiple of the vector width included."""
 import pytest
 import torch
 
-from dspark.target.argmax import argmax_rows
+from dspark.kernels.argmax import argmax_rows
 from test_skinny import MARCHES, built
 
 

@@ -180,7 +180,7 @@ def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
 
 @pytest.mark.slow
 def test_forward_split_quick_writes_result(tmp_path):
-    from dspark.target.model import Linear
+    from dspark.layers import Linear
 
     real = Linear.forward
     out = tmp_path / "split"

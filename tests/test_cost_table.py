@@ -13,7 +13,7 @@ from tiny_models import BLOCK, one_thread, tiny_drafter, tiny_target, tiny_targe
 from dspark import LLM
 from dspark.draft.dspark import DSparkDrafter
 from dspark.schedule import AsyncBudgetScheduler, CostTable
-from dspark.schedule.profile import monotone
+from dspark.engine.profile import monotone
 
 __all__ = ["one_thread", "tiny_target", "tiny_target_dir"]
 
@@ -58,7 +58,7 @@ def test_staircase_detection_and_file_round_trip(tmp_path):
 def test_cached_profile_keys_the_drafters_groups_and_replaces_an_unreadable_file(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from dspark.schedule import profile
+    from dspark.engine import profile
 
     made = []
     monkeypatch.setattr(profile, "cache_root", lambda: tmp_path)
@@ -103,7 +103,7 @@ def test_profile_cli_writes_a_cost_table_and_plot(tiny_target, tiny_target_dir, 
 @pytest.mark.usefixtures("one_thread")
 def test_profile_prefills_past_the_per_step_prefill_budget(tiny_target, tiny_target_dir):
     """More profiling requests than one step's prefill budget admits: they all get prefilled first."""
-    from dspark.schedule.profile import profile_engine
+    from dspark.engine.profile import profile_engine
 
     llm = LLM(str(tiny_target_dir), drafter=DSparkDrafter(tiny_drafter(tiny_target, "vanilla")), dtype="fp32",
               gamma=BLOCK, max_num_seqs=4)

@@ -10,11 +10,12 @@ import copy
 import pytest
 import torch
 
-import dspark.target.fused_layers as fused_layers
+import dspark.kernels.fused_layers as fused_layers
 from dspark import SamplingParams
 from dspark.draft.lookup_first import LookupFirstDrafter
 from dspark.draft.prompt_lookup import PromptLookupDrafter
-from dspark.draft.tree import chain, layout, merge, tree_verdict
+from dspark.draft.tree import chain, layout, merge
+from dspark.verify import tree_verdict
 from dspark.engine.request import Request
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dspark.target.upcast as upcast
+import dspark.kernels.upcast as upcast
 from dspark import SamplingParams
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch

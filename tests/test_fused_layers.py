@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen3Config
 
-import dspark.target.fused_layers as fused_layers
+import dspark.kernels.fused_layers as fused_layers
 import dspark.target.model as model_module
-from dspark.target.fused_layers import MAX_TOKENS
+from dspark.kernels.fused_layers import MAX_TOKENS
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch, TargetModel
 from test_skinny import MARCHES, built, needs_tiles
@@ -191,7 +191,7 @@ def test_fused_prefills_run_each_request_alone_in_chunks(dtype, fused_calls, mon
 
 
 def test_prefills_fuse_under_exact_else_only_bf16_targets_on_the_tiles(monkeypatch, use_options):
-    from dspark.target import skinny, upcast
+    from dspark.kernels import skinny, upcast
 
     bf16 = random_target("llama", torch.bfloat16)
     assert fused_layers.fuses_prefill(bf16) == kernel_built()

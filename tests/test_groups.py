@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.target.groups import Groups
-from dspark.target.model import Linear
-from dspark.target.q4_1 import GROUP, dequantize_q4_1
-from dspark.target.skinny import MAX_ROWS, skinny_linear
+from dspark.kernels.groups import Groups
+from dspark.layers import Linear
+from dspark.kernels.q4_1 import GROUP, dequantize_q4_1
+from dspark.kernels.skinny import MAX_ROWS, skinny_linear
 from test_q4_1 import on_grid
 from test_skinny import MARCHES, built, needs_kernel
 from test_target_parity import CachedRunner
@@ -88,8 +88,8 @@ def test_a_drafters_head_reads_nearest_q8_0_groups_for_few_rows_only(llm_bf16):
     rows read them (close to the dense product, not equal: the drafter's q is whatever it samples from), more
     rows and autograd keep the dense weight; the bundled drafter's head gets them at load."""
     from dspark.draft import make_drafter
-    from dspark.target.groups import HEAD_ROWS, hold_head_groups
-    from dspark.target.upcast import ManyRowsLinear
+    from dspark.kernels.groups import HEAD_ROWS, hold_head_groups
+    from dspark.kernels.upcast import ManyRowsLinear
 
     head = ManyRowsLinear(64, 300, bias=False).to(torch.bfloat16).requires_grad_(False)
     assert hold_head_groups(head) and head.groups.kind == "q8_0"

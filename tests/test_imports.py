@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # where the environment may be read, and why: locations and launchers, never how to compute (that is dspark.Options)
 ENVIRONMENT_READERS = {
     "dspark/cache.py": "the cache folder ($DSPARK_CACHE, $XDG_CACHE_HOME)",
-    "dspark/target/skinny.py": "the C++ compiler that builds the kernels ($CXX)",
+    "dspark/kernels/skinny.py": "the C++ compiler that builds the kernels ($CXX)",
     "dspark/train/prompts.py": "the default data folder of the training commands ($DSPARK_DATA)",
     "dspark/train/trainer.py": "torchrun's WORLD_SIZE",
 }
@@ -88,6 +88,33 @@ def test_the_check_finds_a_circle(tmp_path):
 
 def test_options_sit_at_the_bottom():
     assert module_graph(SRC)["dspark.options"] == set()
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+# each layer and what it must never reach: the kernels know nothing of models; the step's shared types know nothing
+# at all; the schedulers see costs and confidences only (profiling, which runs the engine, lives with the engine)
+LAYERS = {"dspark.kernels": ("dspark.target", "dspark.layers", "dspark.draft", "dspark.engine", "dspark.schedule"),
+          "dspark.layers": ("dspark.target", "dspark.draft", "dspark.engine"),
+          "dspark.proposal": ("dspark.",),
+          "dspark.schedule": ("dspark.engine", "dspark.target", "dspark.draft", "dspark.kernels"),
+          "dspark.target": ("dspark.draft", "dspark.engine", "dspark.schedule", "dspark.serve", "dspark.train")}
+
+
+def test_each_layer_reaches_only_what_is_below_it():
+    graph = module_graph(SRC)
+    for layer, forbidden in LAYERS.items():
+        for module in (m for m in graph if m == layer or m.startswith(layer + ".")):
+            bad = sorted(m for m in reaches(graph, module) if m.startswith(forbidden))
+            assert not bad, f"{module} reaches {bad}"
 
 
 def test_the_environment_is_read_only_for_locations():

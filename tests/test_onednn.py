@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.target.onednn import ONEDNN, linear
+from dspark.kernels.onednn import ONEDNN, linear
 
 pytestmark = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN")
 

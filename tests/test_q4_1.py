@@ -9,7 +9,7 @@ from dspark import LLM, SamplingParams
 from dspark.target.loading import load_target
 from test_target_parity import CachedRunner
 
-from dspark.target.q4_1 import GROUP, Q4Linear, dequantize_q4_1, quantize_q4_1
+from dspark.kernels.q4_1 import GROUP, Q4Linear, dequantize_q4_1, quantize_q4_1
 
 
 def on_grid(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

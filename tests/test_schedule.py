@@ -18,7 +18,7 @@ from stats_utils import g_test
 from tiny_models import BLOCK, one_thread, tiny_drafter, tiny_target, tiny_target_dir
 
 from dspark import LLM, SamplingParams
-from dspark.draft.base import Proposal
+from dspark.proposal import Proposal
 from dspark.draft.dspark import DSparkDrafter
 from dspark.schedule import (AsyncBudgetScheduler, CostTable, FixedLength, PrefixScheduler, Scheduler,
                              ThresholdScheduler, make_scheduler)
@@ -358,7 +358,7 @@ def test_without_a_cached_profile_a_server_starts_from_the_provisional_table(bas
     import copy
 
     from dspark.cli import build_parser
-    from dspark.schedule import profile
+    from dspark.engine import profile
 
     assert build_parser().parse_args(["serve"]).profile is False
     monkeypatch.setattr(profile, "cache_root", lambda: tmp_path)  # nothing cached

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dspark.target.upcast as upcast
-import dspark.target.skinny as skinny
-from dspark.target.skinny import MAX_ROWS, kernel, skinny_linear
+import dspark.kernels.upcast as upcast
+import dspark.kernels.skinny as skinny
+from dspark.kernels.skinny import MAX_ROWS, kernel, skinny_linear
 from test_upcast import prefill
 
 needs_kernel = pytest.mark.skipif(kernel() is None, reason="skinny.cpp cannot be built on this machine")

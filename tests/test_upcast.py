@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dspark.target.upcast as upcast
+import dspark.kernels.upcast as upcast
 from dspark.target.kv_cache import KVCache
 from dspark.target.model import FlatBatch
-from dspark.target.skinny import MAX_ROWS
-from dspark.target.upcast import CHUNK, upcast_linear
+from dspark.kernels.skinny import MAX_ROWS
+from dspark.kernels.upcast import CHUNK, upcast_linear
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 9, 17, 44, 130)
 

@@ -62,7 +62,7 @@ def add_calibrate_parser(sub):
 
 
 def cmd_profile(args) -> int:
-    from .schedule.profile import profile_engine, plot_cost_table
+    from .engine.profile import profile_engine, plot_cost_table
 
     llm = llm_from_args(args, max_num_seqs=args.max_requests)
     table = profile_engine(llm.engine, max_requests=args.max_requests, context=args.context, repeats=args.repeats)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .target.argmax import argmax_rows
+from .kernels.argmax import argmax_rows
 
 MAX_LOGPROBS = 20  # alternatives per token at most
 TOP_K_OFF = 2**62  # a top_k at least this large is no cut at all (and still fits a long)

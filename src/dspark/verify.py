@@ -1,4 +1,5 @@
-"""Lossless verification: chain rejection sampling over a ragged batch (docs/method.md).
+"""Lossless verification, every verdict of the step: chain rejection sampling over a ragged batch (docs/method.md),
+its greedy form from row argmaxes, and the greedy walk down a draft tree (draft/tree.py lays trees out).
 
 Request r verifies the first lengths[r] of its drafts (0 = plain decoding). Its target distributions
 sit in rows starts[r] .. starts[r] + lengths[r] of the flat p: row starts[r] + k is the target's
@@ -69,3 +70,23 @@ def residual(p: torch.Tensor, q: torch.Tensor | None, rejected: torch.Tensor) ->
     empty = out.sum(-1) <= 0
     out[empty] = p[empty]
     return out
+
+
+def tree_verdict(best: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                 lengths: torch.Tensor) -> Verdict:
+    """greedy_verdict over trees: best [T] each flat row's argmax; request r's rows start at starts[r], its first
+    lengths[r] drafts tokens[r] hang on parents[r]. The walk follows the child holding the current row's argmax;
+    path: each request's accepted drafts, root first."""
+    best_rows, starts_l, lengths_l = best.tolist(), starts.tolist(), lengths.tolist()
+    paths, nexts = [], []
+    for r, (toks, pars) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        children: dict[int, dict[int, int]] = {}
+        for k in range(lengths_l[r]):
+            children.setdefault(pars[k], {}).setdefault(toks[k], k)
+        node, path = -1, []
+        while (child := children.get(node, {}).get(best_rows[starts_l[r] + node + 1])) is not None:
+            path.append(child)
+            node = child
+        paths.append(path)
+        nexts.append(best_rows[starts_l[r] + node + 1])
+    return Verdict(torch.tensor([len(p) for p in paths]), torch.tensor(nexts), paths)

@@ -1,6 +1,7 @@
 from pathlib import Path
 
-from .base import Drafter, NoDrafter, Proposal
+from ..proposal import Proposal  # noqa: F401 (the drafters' output type, re-exported)
+from .base import Drafter, NoDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTERS = ("auto", "default", "none", "prompt-lookup", "<path to a DSpark/DFlash/Eagle3 drafter folder>",
@@ -78,8 +79,8 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, s
 
         from ..calibrate import load_temperatures
         from .draft_vocab import load_draft_vocab, restrict
-        from ..target.groups import hold_head_groups
-        from ..target.q4_1 import Q4Linear
+        from ..kernels.groups import hold_head_groups
+        from ..kernels.q4_1 import Q4Linear
 
         folder = Path(spec).expanduser()
         model = load_drafter(folder, target)

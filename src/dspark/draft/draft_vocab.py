@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import options
-from ..target.upcast import ManyRowsLinear
+from ..kernels.upcast import ManyRowsLinear
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ..sampling import param_tensors, sample, warp
-from ..target.argmax import argmax_rows
-from ..target.fused_layers import fused_forward, fused_weights
+from ..kernels.argmax import argmax_rows
+from ..kernels.fused_layers import fused_forward, fused_weights
 from ..target.model import FlatBatch
-from .base import Proposal
+from ..proposal import Proposal
 from .context_cache import ContextCacheDrafter
 from .draft_vocab import token_ids, widen
 from .dspark_model import DSparkModel

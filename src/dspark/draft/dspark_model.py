@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..target.model import RMSNorm, Rotary, apply_rotary
-from ..target.upcast import ManyRowsLinear as Linear
+from ..layers import RMSNorm, Rotary, apply_rotary
+from ..kernels.upcast import ManyRowsLinear as Linear
 
 # attend(layer, q [T, H, hd], k [T, KVH, hd], v [T, KVH, hd]) -> [T, H * hd]: the block's attention over
 # context and block keys; inference reads the context from a KV cache, training from dense tensors.

@@ -6,7 +6,7 @@ import torch
 
 from ..sampling import param_tensors, sample, warp
 from ..target.model import FlatBatch
-from .base import Proposal
+from ..proposal import Proposal
 from .context_cache import ContextCacheDrafter
 from .draft_vocab import token_ids, widen
 from .eagle3_model import Eagle3Model

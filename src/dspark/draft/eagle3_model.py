@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..target.model import RMSNorm
+from ..layers import RMSNorm
 from .dspark_model import Attend, DraftAttention, DraftMLP, FeatureDrafterModel, build_target_layer_ids
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Drafter, Proposal
+from ..proposal import Proposal
+from .base import Drafter
 from .prompt_lookup import PromptLookupDrafter, point_masses
 from .tree import chain, merge
 

@@ -9,7 +9,8 @@ from array import array
 
 import torch
 
-from .base import Drafter, Proposal
+from ..proposal import Proposal
+from .base import Drafter
 
 WORD = "I" if array("I").itemsize == 4 else "L"  # 4-byte tokens
 

@@ -19,10 +19,6 @@ forward, which cost little at these widths (benchmarks/results/engine_speed.md: 
 """
 from __future__ import annotations
 
-import torch
-
-from ..verify import Verdict
-
 
 def merge(candidates: list[list[int]], cap: int) -> tuple[list[int], list[int]]:
     """Candidates (first first) merged into a tree of at most `cap` nodes: (tokens, parents). A candidate that
@@ -61,23 +57,3 @@ def layout(parents: list[int]) -> tuple[list[int], list[int]]:
         seen.append(seen[parent + 1] | 1 << row)
         hidden.append(sum(1 << (row - r) for r in range(row) if not seen[row] >> r & 1))
     return depth, hidden
-
-
-def tree_verdict(best: torch.Tensor, starts: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                 lengths: torch.Tensor) -> Verdict:
-    """greedy_verdict over trees: best [T] each flat row's argmax; request r's rows start at starts[r], its first
-    lengths[r] drafts tokens[r] hang on parents[r]. The walk follows the child holding the current row's argmax;
-    path: each request's accepted drafts, root first."""
-    best_rows, starts_l, lengths_l = best.tolist(), starts.tolist(), lengths.tolist()
-    paths, nexts = [], []
-    for r, (toks, pars) in enumerate(zip(tokens.tolist(), parents.tolist())):
-        children: dict[int, dict[int, int]] = {}
-        for k in range(lengths_l[r]):
-            children.setdefault(pars[k], {}).setdefault(toks[k], k)
-        node, path = -1, []
-        while (child := children.get(node, {}).get(best_rows[starts_l[r] + node + 1])) is not None:
-            path.append(child)
-            node = child
-        paths.append(path)
-        nexts.append(best_rows[starts_l[r] + node + 1])
-    return Verdict(torch.tensor([len(p) for p in paths]), torch.tensor(nexts), paths)

@@ -14,7 +14,7 @@ from ..draft import make_drafter
 from ..draft.lookup_first import LookupFirstDrafter
 from ..sampling import SamplingParams
 from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler, resolve_auto
-from ..schedule.profile import cached_profile
+from .profile import cached_profile
 from ..target.loading import load_target
 from .llm_engine import LLMEngine
 from .request import RequestOutput

@@ -11,15 +11,16 @@ from collections import deque
 import torch
 
 from ..config import EngineConfig
-from ..draft.base import Drafter, NoDrafter, Proposal
-from ..draft.tree import layout, tree_verdict
+from ..draft.base import Drafter, NoDrafter
+from ..draft.tree import layout
 from ..sampling import SamplingParams, param_tensors, sample, token_logprobs, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
-from ..target.argmax import argmax_rows
+from ..kernels.argmax import argmax_rows
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, TargetModel
-from ..verify import greedy_verdict, rejection_sample
+from ..proposal import Proposal
+from ..verify import greedy_verdict, rejection_sample, tree_verdict
 from .emit import append_tokens
 from .request import Request, RequestOutput, Status
 from .stats import StepStats

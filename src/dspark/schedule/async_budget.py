@@ -27,7 +27,7 @@ from collections import deque
 
 import torch
 
-from ..draft.base import Proposal
+from ..proposal import Proposal
 from .base import Scheduler
 from .cost_table import CostTable
 from .survival import prefix_survival, top_k_lengths

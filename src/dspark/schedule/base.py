@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.base import Proposal
+from ..proposal import Proposal
 
 
 class Scheduler:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.base import Proposal
+from ..proposal import Proposal
 from .base import Scheduler
 from .cost_table import CostTable
 from .survival import prefix_survival, ranked_candidates

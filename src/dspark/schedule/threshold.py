@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft.base import Proposal
+from ..proposal import Proposal
 from .base import Scheduler
 from .survival import prefix_survival
 

@@ -106,8 +106,8 @@ def load_target(target: str | None = None, dtype: torch.dtype = torch.bfloat16, 
     from transformers import AutoConfig, AutoTokenizer
 
     from .model import TargetModel, fuse_projections
-    from .groups import hold_groups
-    from .q4_1 import quantize_layers
+    from ..kernels.groups import hold_groups
+    from ..kernels.q4_1 import quantize_layers
 
     folder = resolve_target(target)
     config = AutoConfig.from_pretrained(folder)

@@ -17,14 +17,14 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
-from ..draft.base import Proposal
-from ..engine.llm_engine import LLMEngine
+from ..proposal import Proposal
+from .llm_engine import LLMEngine
 from .. import options
 from ..cache import cache_root
-from ..target.skinny import kernel_name
+from ..kernels.skinny import kernel_name
 from ..sampling import SamplingParams, param_tensors, warp
 from ..verify import rejection_sample
-from .cost_table import CostTable
+from ..schedule.cost_table import CostTable
 
 # part of a cached profile's key, raised when step costs change shape (2: bf16 many-row verify in float32;
 # 3: that path from 7 rows; 4: drafter calls one position deep, monotone verify times)
