@@ -40,26 +40,17 @@ def lookup_sources(folder: Path, gamma: int) -> list:
             PromptLookupDrafter(gamma, max_ngram=1)]
 
 
-def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192, single_stream: bool = False) -> Drafter:
-    """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "auto": that
-    one where it fits the target, behind prompt lookup for a single stream, else prompt lookup; "none";
+def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -> Drafter:
+    """A Drafter from a name ("default": the bundled DSpark drafter of SmolLM2-135M-Instruct; "none";
     "prompt-lookup"), a drafter folder (config.json + model.safetensors, loaded against `target`), "lookup+"
     before either of the last two (prompt lookup where the context repeats itself, that drafter elsewhere:
-    lookup_first.py) or an instance.
-
-    single_stream: the engine runs one request at a time. There "auto" puts prompt lookup first, with lookup alone
-    the fastest single streams of the bundled target measured (benchmarks/results/drafters.md); batches keep
-    DSpark under the async scheduler, which skips drafting where it does not pay."""
+    lookup_first.py) or an instance. "auto" is resolved before (auto.py)."""
     if isinstance(spec, Drafter):
         return spec
     if spec in (None, "none"):
         return NoDrafter()
     if spec == "prompt-lookup":
         return PromptLookupDrafter(gamma=gamma)
-    if spec == "auto":  # the bundled drafter where it fits the target (behind prompt lookup for one stream)
-        if not default_fits(target):
-            return PromptLookupDrafter(gamma=gamma)
-        spec = "lookup+default" if single_stream else "default"
     if isinstance(spec, str) and spec.startswith("lookup+"):  # prompt lookup first, the named drafter elsewhere
         from .lookup_first import LookupFirstDrafter
 

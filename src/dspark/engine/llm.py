@@ -10,10 +10,11 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from ..options import Options
 from ..options import use as use_options
-from ..draft import make_drafter
+from ..auto import choose_drafter, scheduler_for
+from ..draft import default_fits, make_drafter
 from ..draft.lookup_first import LookupFirstDrafter
 from ..sampling import SamplingParams
-from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler, resolve_auto
+from ..schedule import NEEDS_COST_TABLE, CostTable, FixedLength, make_scheduler
 from .profile import cached_profile
 from ..target.loading import load_target
 from .llm_engine import LLMEngine
@@ -24,8 +25,8 @@ class LLM:
     """Load a target (and a drafter), then generate for many prompts with continuous batching.
 
     target: None for the bundled SmolLM2-135M-Instruct, a Hugging Face folder, a .gguf file or a hub id
-    in the local cache. drafter: "none", "prompt-lookup", "default" (the bundled DSpark drafter), "auto" (that one
-    where it fits the target, with max_num_seqs 1 behind prompt lookup, else prompt lookup), a drafter folder
+    in the local cache. drafter: "none", "prompt-lookup", "default" (the bundled DSpark drafter), "auto" (auto.py's
+    policy: that one where it fits the target, with max_num_seqs 1 behind prompt lookup, else prompt lookup), a drafter folder
     (DSpark, DFlash, Eagle3-style), "lookup+default" / "lookup+FOLDER" (prompt lookup first) or a Drafter.
     scheduler: "fixed", "plain", "threshold", "algorithm1", "async", "auto" (async where the drafter gives
     confidences, else fixed) or a Scheduler; algorithm1 and async cost steps with an SPS(B) table: `cost_table`
@@ -50,12 +51,12 @@ class LLM:
 
     def _build_engine(self, model, drafter, scheduler, gamma, cost_table, threshold):
         max_len = self.config.max_model_len or model.config.max_position_embeddings
-        single_stream = self.config.max_num_seqs == 1 and scheduler == "auto"  # auto and auto: lookups first
-        made = make_drafter(drafter, gamma, model, max_len, single_stream)
+        drafter = choose_drafter(drafter, scheduler, self.config.max_num_seqs, default_fits(model))
+        made = make_drafter(drafter, gamma, model, max_len)
         if isinstance(made, LookupFirstDrafter):  # its sources cut their own drafts (a long repeat's to 2 gamma)
             gamma = made.gamma
         self.engine = LLMEngine(model, self.tokenizer, made, FixedLength(gamma), self.config)
-        scheduler = resolve_auto(scheduler, self.engine.drafter)
+        scheduler = scheduler_for(scheduler, self.engine.drafter)
         if scheduler in NEEDS_COST_TABLE and not isinstance(cost_table, CostTable):
             key = (str(self.target_path), str(drafter), self.config.dtype, self.config.max_num_seqs,
                    torch.get_num_threads())

@@ -8,14 +8,6 @@ from ..config import SCHEDULERS
 NEEDS_COST_TABLE = ("algorithm1", "async")
 
 
-def resolve_auto(spec, drafter) -> str:
-    """"auto": the asynchronous scheduler where the drafter gives confidences (the DSpark drafter), else a
-    fixed length; other specs unchanged."""
-    if spec != "auto":
-        return spec
-    return "async" if drafter.has_confidence else "fixed"
-
-
 def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshold: float = 0.5) -> Scheduler:
     """A Scheduler from a name or an instance: fixed (verify γ drafts), plain (none), threshold (prefix
     survival >= threshold), algorithm1 (Algorithm 1 of docs/method.md) or async (the production scheduler); the
@@ -23,7 +15,7 @@ def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshol
     if isinstance(spec, Scheduler):
         return spec
     if spec == "auto":
-        raise ValueError("the auto scheduler depends on the drafter: resolve it with resolve_auto first")
+        raise ValueError("the auto scheduler depends on the drafter: resolve it first (auto.scheduler_for)")
     if spec in (None, "fixed"):
         return FixedLength(gamma)
     if spec == "plain":
@@ -38,4 +30,4 @@ def make_scheduler(spec, gamma: int = 7, cost: CostTable | None = None, threshol
 
 
 __all__ = ["SCHEDULERS", "NEEDS_COST_TABLE", "AsyncBudgetScheduler", "CostTable", "FixedLength", "PrefixScheduler",
-           "Scheduler", "ThresholdScheduler", "make_scheduler", "resolve_auto"]
+           "Scheduler", "ThresholdScheduler", "make_scheduler"]
