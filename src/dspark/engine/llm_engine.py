@@ -1,7 +1,8 @@
 """The engine loop: continuous batching with speculative decoding, one step at a time.
 
 A step admits waiting requests (prefill), then runs the data path of docs/design.md for every running
-request: draft -> plan -> verify -> accept -> commit -> emit.
+request: schedule and propose -> plan -> verify -> accept -> commit -> emit, each a method below. The target side
+(batches, forwards, the KV cache's rows) is the model runner's (model_runner.py); this class keeps the requests.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 
 from ..config import EngineConfig
 from ..draft.base import Drafter, NoDrafter
-from ..draft.tree import layout
 from ..sampling import SamplingParams, param_tensors, sample, token_logprobs, warp
 from ..schedule.base import FixedLength, Scheduler
 from ..schedule.survival import expected_tau, prefix_survival
@@ -20,8 +20,9 @@ from ..kernels.argmax import argmax_rows
 from ..target.kv_cache import KVCache
 from ..target.model import FlatBatch, TargetModel
 from ..proposal import Proposal
-from ..verify import greedy_verdict, rejection_sample, tree_verdict
+from ..verify import Verdict, greedy_verdict, rejection_sample, tree_verdict
 from .emit import append_tokens
+from .model_runner import ModelRunner
 from .request import Request, RequestOutput, Status
 from .stats import StepStats
 
@@ -38,6 +39,7 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or tc.max_position_embeddings
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self.cache = KVCache(tc.num_hidden_layers, tc.num_key_value_heads, head_dim, target.dtype, self.max_model_len)
+        self.runner = ModelRunner(target, self.cache, self.capture_layers)
         self.eos_ids = self._eos_ids()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # running[i].slot == i
@@ -97,7 +99,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         st = StepStats()
         t0 = time.perf_counter()
-        self.target.capture_layers = self.capture_layers  # the target may be shared by several engines
         outputs = self._admit(st)
         st.t_prefill = time.perf_counter() - t0
         reqs = [r for r in self.running if not r.finished]
@@ -132,31 +133,45 @@ class LLMEngine:
     def _decode(self, reqs: list[Request], st: StepStats) -> list[RequestOutput]:
         t = time.perf_counter()
         room = self._room(reqs)
-        limit = int(room.max())
-        cap = min(limit, self.drafter.gamma) if self.drafter.gamma else limit  # a drafter may leave gamma unset
-        slots = int(room.clamp(max=cap).sum())  # drafts this step could verify
-        wanted = self.scheduler.draft_limit(len(reqs), slots)  # drafts past it would never be verified
-        limit = limit if wanted is None else min(limit, wanted)
-        st.draft_skipped = wanted == 0
-        proposal = Proposal.empty(len(reqs)) if st.draft_skipped else self.drafter.propose(reqs, limit)  # 1. draft
+        proposal = self._propose(reqs, room, st)  # 1. schedule the draft, propose
         st.t_draft, t = time.perf_counter() - t, time.perf_counter()
-        lengths = torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()  # 2. plan
+        lengths = self._plan(proposal, room)  # 2. plan
         st.t_plan, t = time.perf_counter() - t, time.perf_counter()
-        batch = self._verify_batch(reqs, proposal, lengths)
-        out = self.target(batch, self.cache)  # 3. verify
         greedy = all(r.params.greedy for r in reqs)
-        logits = self.target.logits(out.hidden, None if greedy else torch.float32)
+        batch, out, logits = self.runner.verify(reqs, proposal, lengths, len(self.running), not greedy)  # 3. verify
         st.t_verify, t = time.perf_counter() - t, time.perf_counter()
         verdict = self._accept(reqs, logits, batch, proposal, lengths, greedy)  # 4. accept
         if not bool(((verdict.next_token >= 0) & (verdict.next_token < logits.shape[-1])).all()):
             raise ValueError("a sampled token fell outside the vocabulary (the probabilities were not finite)")
-        accepted = verdict.num_accepted.tolist()
-        paths = verdict.path or [list(range(n)) for n in accepted]  # the accepted drafts (a tree's walk)
+        paths = verdict.path or [list(range(n)) for n in verdict.num_accepted.tolist()]  # the accepted drafts
         new_tokens = [proposal.tokens[i, path].tolist() + [int(verdict.next_token[i])] for i, path in enumerate(paths)]
         rows = [[s + k for k in [0, *(j + 1 for j in path)]] for s, path in zip(batch.starts.tolist(), paths)]
-        scores = self._logprobs(reqs, logits, rows, new_tokens)  # row of each new token's distribution
-        self._commit(reqs, batch, out.features, [n + 1 for n in accepted], walks=verdict.path)  # 5. commit
+        scores = self._logprobs(reqs, logits, rows, new_tokens)  # each new token's row: the one that decided it
+        self._commit(reqs, batch, out.features, [len(t) for t in new_tokens], walks=verdict.path)  # 5. commit
         st.t_sample = time.perf_counter() - t
+        self._record(st, reqs, proposal, lengths, verdict, batch)
+        return self._emit(reqs, new_tokens, scores)  # 6. emit
+
+    def _propose(self, reqs: list[Request], room: torch.Tensor, st: StepStats) -> Proposal:
+        """The drafter's proposal, drafting no further than any request could verify and the scheduler wants (an
+        empty one where the scheduler wants none: the drafter does not run)."""
+        limit = int(room.max())
+        cap = min(limit, self.drafter.gamma) if self.drafter.gamma else limit  # a drafter may leave gamma unset
+        slots = int(room.clamp(max=cap).sum())  # drafts this step could verify
+        wanted = self.scheduler.draft_limit(len(reqs), slots)  # drafts past it would never be verified
+        st.draft_skipped = wanted == 0
+        if st.draft_skipped:
+            return Proposal.empty(len(reqs))
+        return self.drafter.propose(reqs, limit if wanted is None else min(limit, wanted))
+
+    def _plan(self, proposal: Proposal, room: torch.Tensor) -> torch.Tensor:
+        """Drafts each request verifies: the scheduler's plan, within what was proposed and what fits."""
+        return torch.minimum(torch.minimum(self.scheduler.plan(proposal), proposal.lengths), room).long()
+
+    def _record(self, st: StepStats, reqs: list[Request], proposal: Proposal, lengths: torch.Tensor,
+                verdict: Verdict, batch: FlatBatch) -> None:
+        """The step's statistics and each request's counts."""
+        accepted = verdict.num_accepted.tolist()
         st.num_requests, st.verify_tokens = len(reqs), int(batch.tokens.numel())
         st.drafted, st.verified, st.accepted = proposal.lengths.tolist(), lengths.tolist(), accepted
         if proposal.confidence is not None:
@@ -168,7 +183,6 @@ class LLMEngine:
             req.drafts_verified += v
             req.drafts_accepted += n
             req.steps += 1
-        return self._emit(reqs, new_tokens, scores)  # 6. emit
 
     # ---- pieces of the step ---------------------------------------------------------------------
     def _admit(self, st: StepStats) -> list[RequestOutput]:
@@ -195,13 +209,10 @@ class LLMEngine:
             self.running.append(req)
         lens = [len(r.prompt_ids) for r in computed]
         source = torch.tensor([*range(len(computed)), *copy_rows])  # each request's row in the batch
-        self.cache.reserve(len(self.running), max(lens) + 1)
-        batch = FlatBatch(torch.tensor([t for r in computed for t in r.prompt_ids]),
-                          torch.cat([torch.arange(n) for n in lens]), lens, slot_start=new[0].slot, prefill=True)
         try:
-            out = self.target(batch, self.cache)
+            batch, out = self.runner.prefill([r.prompt_ids for r in computed], new[0].slot, len(self.running))
             for req, i in zip(copies, copy_rows):
-                self.cache.copy_slot(computed[i].slot, req.slot, lens[i])
+                self.runner.copy_slot(computed[i].slot, req.slot, lens[i])
             logits = self.target.logits(out.hidden[batch.last_index])[source]
             p = warp(logits, *param_tensors([r.params for r in new]))
             first_tokens = sample(p, torch.cat([r.uniforms(1) for r in new])).tolist()
@@ -253,22 +264,6 @@ class LLMEngine:
         u = torch.stack([r.uniforms(G + 1) for r in reqs])
         return rejection_sample(p, batch.starts, proposal.tokens, proposal.q, lengths, u[:, :G], u[:, G])
 
-    def _verify_batch(self, reqs: list[Request], proposal: Proposal, lengths: torch.Tensor) -> FlatBatch:
-        """Each request's last token and its first lengths[r] drafts; a draft tree's rows hide the rows that are
-        not their ancestors and are rotated at their depth (draft/tree.py)."""
-        toks, pos, rotary, hidden = [], [], [], []
-        parents = None if proposal.parents is None else proposal.parents.tolist()
-        for r, (req, row, n) in enumerate(zip(reqs, proposal.tokens.tolist(), lengths.tolist())):
-            toks += [req.last_token] + row[:n]
-            pos += range(req.num_cached, req.num_cached + 1 + n)
-            if parents is not None:
-                depth, hides = layout(parents[r][:n])
-                rotary += [req.num_cached + d for d in depth]
-                hidden += hides
-        self.cache.reserve(len(self.running), max(pos) + 1)
-        tree = {} if parents is None else {"rotary_positions": torch.tensor(rotary), "hidden": torch.tensor(hidden)}
-        return FlatBatch(torch.tensor(toks), torch.tensor(pos), (1 + lengths).tolist(), slot_start=reqs[0].slot, **tree)
-
     def _commit(self, reqs: list[Request], batch: FlatBatch, features, committed: list[int],
                 source: torch.Tensor | None = None, walks: list[list[int]] | None = None):
         """Keep the first committed[r] positions of each request's forward; the rest roll back. Request r's
@@ -278,8 +273,7 @@ class LLMEngine:
         starts = (batch.starts if source is None else batch.starts[source]).tolist()
         kept = [range(n) for n in committed] if walks is None else [[0] + [k + 1 for k in walk] for walk in walks]
         for req, keep in zip(reqs, kept):
-            if keep and keep[-1] != len(keep) - 1:  # a walk off the first chain
-                self.cache.keep(req.slot, req.num_cached, list(keep))
+            self.runner.keep(req.slot, req.num_cached, list(keep))
             req.num_cached += len(keep)
         if features is not None:
             at = [slice(s, s + len(keep)) if walks is None else torch.tensor(keep) + s for s, keep in zip(starts, kept)]

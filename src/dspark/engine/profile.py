@@ -115,9 +115,8 @@ def _verify(engine: LLMEngine, reqs, lengths: torch.Tensor) -> None:
     R = len(reqs)
     G = max(int(lengths.max()), 0)
     drafts = torch.randint(100, engine.target.config.vocab_size, (R, G))
-    batch = engine._verify_batch(reqs, Proposal(drafts, None, lengths), lengths)
-    out = engine.target(batch, engine.cache)
-    p = warp(engine.target.logits(out.hidden), *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
+    batch, _, logits = engine.runner.verify(reqs, Proposal(drafts, None, lengths), lengths, len(engine.running), True)
+    p = warp(logits, *param_tensors([r.params for r in reqs], (1 + lengths).tolist()))
     u = torch.rand(R, G + 1)
     rejection_sample(p, batch.starts, drafts, None, lengths, u[:, :G], u[:, G])
 
