@@ -286,3 +286,14 @@ def test_logprobs_are_the_targets_whatever_the_drafter(make_llm, chat_ids, smoll
     expected = logits.gather(-1, torch.tensor(plain[0].token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor([lp for _, lp, _ in plain[0].logprobs]), expected, atol=1e-3)
     assert make_llm().generate(chat_ids[0], SamplingParams(temperature=0, max_tokens=3))[0].logprobs is None
+
+
+def test_a_request_finished_at_admission_leaves_no_gap_in_the_batch(make_llm, greedy, chat_ids, solo_greedy):
+    """Admitted together, the second request finishes with its first token (max_tokens 1): the requests after it
+    move up into its slot before the step's batch is built (a batch's rows are consecutive slots), so they decode
+    their own context."""
+    params = [greedy, SamplingParams(temperature=0, max_tokens=1), greedy, greedy]
+    outs = make_llm(drafter="prompt-lookup").generate(chat_ids[:4], params)
+    assert outs[1].token_ids == solo_greedy[1][:1]
+    for i in (0, 2, 3):
+        assert outs[i].token_ids == solo_greedy[i][:greedy.max_tokens], f"request {i}"

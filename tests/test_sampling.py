@@ -150,3 +150,13 @@ def test_a_tiny_temperature_request_beside_others_runs_like_greedy(make_llm, cha
     outs = llm.generate(chat_ids[:3], tiny)
     assert all(o.finish_reason == "length" for o in outs)
     assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(chat_ids[:3], greedy)]
+
+
+def test_mend_cuts_a_draft_where_its_distribution_broke():
+    from dspark.sampling import mend
+
+    probs = torch.tensor([[float("nan"), 1.0], [0.25, 0.75]])
+    choice = sample(probs, torch.tensor([0.5, 0.5]))
+    assert choice.tolist() == [-1, 1]
+    lengths = torch.tensor([4, 4])
+    assert mend(choice, lengths, 2).tolist() == [0, 1] and lengths.tolist() == [2, 4]

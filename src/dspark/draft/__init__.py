@@ -87,8 +87,8 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
             return Eagle3Drafter(model, max_model_len)
         temps = load_temperatures(folder) if model.confidence_head is not None else None
         return DSparkDrafter(model, max_model_len, temps)
-    raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup, default, auto, a drafter folder or "
-                     "lookup+ before default or a folder")
+    raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup, default, auto (resolved by the engine), a "
+                     "drafter folder or lookup+ before default or a folder")
 
 
 __all__ = ["DEFAULT_DRAFTER_DIR", "DRAFTERS", "Drafter", "NoDrafter", "Proposal", "PromptLookupDrafter", "make_drafter"]

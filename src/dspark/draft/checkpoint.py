@@ -18,6 +18,8 @@ from .eagle3_model import EAGLE3_ARCHITECTURE, Eagle3Model
 from .layouts import LAYOUTS, from_specforge, is_specforge, to_specforge
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
+UMASK = os.umask(0o022)  # read once, at import (setting it is the only way to read it)
+os.umask(UMASK)
 
 
 def draft_config(target_config: dict, *, num_layers: int = 1, block_size: int = 7, markov_rank: int = 64,
@@ -49,9 +51,7 @@ def atomic_write(path: Path, write):
     os.close(fd)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -67,8 +67,7 @@ class ContextCacheDrafter(Drafter):
         """Project every queued position into the cache (one batched forward)."""
         if not self.pending:
             return
-        queue = list(self.pending.values())
-        self.pending = {}
+        queue = list(self.pending.values())  # kept queued until stored: a failure leaves them for the next try
         reqs = [q.request for q in queue]
         starts = [self.context_len.get(r.request_id, 0) for r in reqs]
         ends = [s + q.rows for s, q in zip(starts, queue)]
@@ -79,6 +78,7 @@ class ContextCacheDrafter(Drafter):
         self.cache.reserve(max(r.slot for r in reqs) + 1, max(ends) + self.gamma)
         for layer, (k, v) in enumerate(kv):
             self.cache.store(layer, slots, torch.cat(positions), k, v)
+        self.pending = {}
         for req, end in zip(reqs, ends):
             self.context_len[req.request_id] = end
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import param_tensors, sample, warp
+from ..sampling import mend, param_tensors, sample, warp
 from ..kernels.argmax import argmax_rows
 from ..kernels.fused_layers import fused_forward, fused_weights
 from ..target.model import FlatBatch
@@ -64,6 +64,7 @@ class DSparkDrafter(ContextCacheDrafter):
         greedy = all(r.params.greedy for r in requests)  # then q is a point mass on each argmax: returned as None
         q = None if greedy else torch.empty_like(U)
         conf = torch.ones(R, K)
+        lengths = torch.full((R,), K)
         temps = self.temperatures or [1.0] * G
         prev, state = anchors, m.markov_head.initial_state(R, h) if m.markov_head is not None else None
         for k in range(K):
@@ -73,9 +74,9 @@ class DSparkDrafter(ContextCacheDrafter):
                 choice = argmax_rows(logits)
             else:
                 q[:, k] = warp(logits, *params)
-                choice = sample(q[:, k], u[:, k])
+                choice = mend(sample(q[:, k], u[:, k]), lengths, k)
             tokens[:, k] = prev = token_ids(choice, m.draft_ids)
             if c_logit is not None:
                 conf[:, k] = torch.sigmoid(c_logit.float() / temps[k])
-        return Proposal(tokens, None if greedy else widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K),
+        return Proposal(tokens, None if greedy else widen(q, m.draft_ids, m.c.vocab_size), lengths,
                         conf if m.confidence_head is not None else None)

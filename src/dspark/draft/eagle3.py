@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import param_tensors, sample, warp
+from ..sampling import mend, param_tensors, sample, warp
 from ..target.model import FlatBatch
 from ..proposal import Proposal
 from .context_cache import ContextCacheDrafter
@@ -26,9 +26,10 @@ class Eagle3Drafter(ContextCacheDrafter):
         firsts = [self.last_g.get(r.request_id, g.new_zeros(1, g.shape[1])) for r in requests]
         g_prev = torch.cat([x for first, part in zip(firsts, g.tensor_split(ends[:-1].tolist()))
                             for x in (first, part[:-1])])
-        for req, end in zip(requests, ends.tolist()):
+        kv = self.model.context_kv(torch.cat(tokens), g_prev, torch.cat(positions))
+        for req, end in zip(requests, ends.tolist()):  # only once projected: a failure leaves them as they were
             self.last_g[req.request_id] = g[end - 1:end]
-        return self.model.context_kv(torch.cat(tokens), g_prev, torch.cat(positions))
+        return kv
 
     @torch.inference_mode()
     def propose(self, requests: list, limit: int | None = None) -> Proposal:
@@ -45,12 +46,13 @@ class Eagle3Drafter(ContextCacheDrafter):
         u = torch.stack([r.uniforms(G) for r in requests])
         tokens = torch.zeros(R, K, dtype=torch.long)
         q = torch.empty(R, K, m.c.vocab_size if m.draft_ids is None else len(m.draft_ids))
+        lengths = torch.full((R,), K)
         for k in range(K):
             batch = FlatBatch(prev, positions + k, [1] * R, slot_start=requests[0].slot)
             g = m.step(prev, g, batch.positions, self.attend(batch))
             q[:, k] = warp(m.draft_logits(g), *params)
-            tokens[:, k] = prev = token_ids(sample(q[:, k], u[:, k]), m.draft_ids)
-        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), torch.full((R,), K))
+            tokens[:, k] = prev = token_ids(mend(sample(q[:, k], u[:, k]), lengths, k), m.draft_ids)
+        return Proposal(tokens, widen(q, m.draft_ids, m.c.vocab_size), lengths)
 
     def release(self, request, moved_from: int | None = None) -> None:
         super().release(request, moved_from)

@@ -24,7 +24,7 @@ def to_specforge(config: dict) -> dict:
     """A deepspec config.json as SpecForge writes it."""
     out = {k: v for k, v in config.items() if k not in NESTED and k not in ("num_anchors", "torch_dtype")}
     nested = {k: config[k] for k in NESTED if k in config}
-    grouped = config["num_key_value_heads"] < config["num_attention_heads"]
+    grouped = config.get("num_key_value_heads", config["num_attention_heads"]) < config["num_attention_heads"]
     nested.update(projector_type="dspark", attention_mode="gqa" if grouped else "mha")
     out.update(architectures=[SPECFORGE_ARCHITECTURE], dflash_config=nested,
                head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],

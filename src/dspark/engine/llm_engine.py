@@ -101,7 +101,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = self._admit(st)
         st.t_prefill = time.perf_counter() - t0
-        reqs = [r for r in self.running if not r.finished]
+        self._release([r for r in self.running if r.finished])  # slots stay contiguous: a batch's rows are slots
+        reqs = list(self.running)
         if reqs:
             outputs += self._decode_isolating(reqs, st)
             st.t_total = time.perf_counter() - t0

@@ -54,8 +54,8 @@ class CostTable:
 
     @classmethod
     def provisional(cls, max_size: int = 512, max_requests: int = 64) -> "CostTable":
-        """A table to start from before this machine is profiled, cautious about speculation: a step's time doubles
-        every 16 tokens of B and a drafter call costs 30% of a one-token step, more than it does on the CPUs and GPUs
+        """A table to start from before this machine is profiled, cautious about speculation: a step's time grows by
+        a one-token step's every 16 tokens of B and a drafter call costs 30% of a one-token step, more than it does on the CPUs and GPUs
         measured, so the schedulers verify fewer drafts than they should rather than more. Measured steps correct
         its verify times online."""
         sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, max(512, max_size)]

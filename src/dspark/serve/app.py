@@ -246,10 +246,14 @@ def build_app(llm: LLM, settings: ServerSettings = ServerSettings(), engine_thre
         def logprobs(entries):
             return None if entries is None else token_text.completion(entries)
         if body.stream:
+            offsets: dict[int, int] = {}  # text offset of each choice's next token
+
             def chunk(index, delta, finish, first, entries):
+                lp = None if entries is None else token_text.completion(entries, offsets.get(index, 0))
+                if lp is not None and lp["tokens"]:
+                    offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                        "choices": [{"index": index, "text": delta or "", "logprobs": logprobs(entries),
-                                     "finish_reason": finish}]}
+                        "choices": [{"index": index, "text": delta or "", "logprobs": lp, "finish_reason": finish}]}
             return sse(stream, chunk, body.include_usage)
         outs = await collect(stream, request)
         if outs is None:

@@ -18,7 +18,7 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine.llm_engine import LLMEngine
@@ -39,6 +39,7 @@ class Stream:
     outputs: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     partial: bool = True  # every step's output; False: only the finished ones (a non-streaming answer)
+    prompt_lens: dict[str, int] = field(default_factory=dict)  # each request's prompt tokens
 
     async def __aiter__(self):
         """Every output, until each request has finished."""
@@ -88,7 +89,8 @@ class AsyncEngine:
             raise ValueError(f"{len(params)} choices are more than this server holds at once ({self.max_in_flight})")
         reqs = [self.engine.new_request(ids, p) for ids, p in zip(prompts, params)]
         stream = Stream([r.request_id for r in reqs], len(reqs[0].prompt_ids) if prompt_tokens is None else prompt_tokens,
-                        asyncio.Queue(), asyncio.get_running_loop(), partial)
+                        asyncio.Queue(), asyncio.get_running_loop(), partial,
+                        {r.request_id: len(r.prompt_ids) for r in reqs})
         with self.lock:
             if len(self.streams) + len(reqs) > self.max_in_flight:
                 self.metrics.rejected.labels("overloaded").inc()
@@ -149,10 +151,11 @@ class AsyncEngine:
 
     def _step(self) -> None:
         start = time.perf_counter()
+        recorded = self.engine.stats[-1] if self.engine.stats else None
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         st = self.engine.stats[-1] if self.engine.stats else None
-        self.metrics.observe_step(elapsed, st)
+        self.metrics.observe_step(elapsed, None if st is recorded else st)  # a step may record none
         self._observe_load()
         self._deliver(outputs)
 
@@ -180,7 +183,7 @@ class AsyncEngine:
             return
         req = self.engine.abort(request_id)
         if req is None:  # not yet handed to the engine
-            out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_tokens)
+            out = RequestOutput(request_id, "", "", [], True, reason, error, stream.prompt_lens[request_id])
         else:  # its tokens so far count
             req.finish_reason, req.error = reason, error
             out = req.output("")

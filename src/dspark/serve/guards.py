@@ -17,9 +17,9 @@ class Guards:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        if self.api_key is not None and scope["path"].rstrip("/") not in OPEN_PATHS:
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key.encode()):
                 return await error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                    "invalid_api_key")
         declared = headers.get(b"content-length", b"0")

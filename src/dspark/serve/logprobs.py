@@ -23,18 +23,25 @@ def byte_alphabet() -> dict[str, int]:
 
 
 class TokenText:
-    """Bytes and text of token ids under one tokenizer."""
+    """Bytes and text of token ids under one tokenizer: byte-level BPE pieces through its alphabet, SentencePiece
+    byte pieces (<0xNN>) as their byte, other pieces as the text they stand for."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a b", add_special_tokens=False))
+        self.byte_level = any(isinstance(p, str) and p.startswith("Ġ") for p in probe)  # a space is Ġ there
 
     @functools.lru_cache(maxsize=65536)
     def bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or not piece:
+            return self.tokenizer.decode([token_id]).encode()
         alphabet = byte_alphabet()
-        if isinstance(piece, str) and piece and all(c in alphabet for c in piece):
+        if self.byte_level and all(c in alphabet for c in piece):
             return bytes(alphabet[c] for c in piece)
-        return self.tokenizer.decode([token_id]).encode()  # not a byte-level token (special, or another scheme)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self.tokenizer.convert_tokens_to_string([piece]).encode()
 
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="replace")
