@@ -210,8 +210,9 @@ def test_serve_load_quick_loses_nothing(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     row = result["rows"][0]
     assert row["lost_or_corrupted"] == 0 and row["engine_idle_after"] is True
-    assert row["greedy_equal_offline"] == 1.0 and row["disconnects"] > 0
-    assert result["headline"]["server_over_offline_throughput"] > 0
+    assert row["greedy_equal_alone"] == 1.0 and row["dropped_streams_started"] == row["dropped_streams"] > 0
+    assert row["kv_back_to_idle_s"] <= 1.0 and result["headline"]["server_kv_leaked_blocks"] == 0
+    assert result["headline"]["server_over_offline_throughput"] > 0 and result["headline"]["server_lost_responses"] == 0
 
 
 @pytest.mark.slow
