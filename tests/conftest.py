@@ -23,6 +23,23 @@ REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 48  # greedy continuation length of the reference outputs
 
 
+# ---- figures a test reports (printed at the end of the run, as CI logs keep them) ---------------------------
+REPORTED: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """report(line): a figure for the run's summary (agreement figures, fuzz counts), whatever pytest captures."""
+    return REPORTED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORTED:
+        terminalreporter.section("reported figures")
+        for line in REPORTED:
+            terminalreporter.write_line(line)
+
+
 # ---- data ---------------------------------------------------------------------------------------
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -2,7 +2,7 @@
 exported here in the specforge layout loads strictly in SpecForge's class, and one saved by SpecForge loads here; on
 real target features of the bundled SmolLM2 both compute the same logits, draft distributions (the Markov head
 teacher-forced) and confidences, for the vanilla, gated and RNN heads. The default (deepspec) export holds every weight
-a complete-layout loader reads. Agreement figures are printed (pytest -s)."""
+a complete-layout loader reads. The agreement figures are in the run's summary ("reported figures")."""
 from __future__ import annotations
 
 import json
@@ -107,25 +107,25 @@ def compare(ours_model, sf_model, target, sequence) -> dict:
     return {**worst, "top_token_agreement": agree / total}
 
 
-def check(figures: dict, what: str) -> None:
-    print(f"{what}: max |Δlogit| {figures['logits']:.2e}, max |Δq| {figures['probs']:.2e}, max |Δconfidence| "
+def check(figures: dict, what: str, report) -> None:
+    report(f"{what}: max |Δlogit| {figures['logits']:.2e}, max |Δq| {figures['probs']:.2e}, max |Δconfidence| "
           f"{figures['confidence']:.2e}, top tokens agree at {figures['top_token_agreement']:.0%} of positions")
     assert figures["logits"] < 1e-3 and figures["probs"] < 1e-4 and figures["confidence"] < 1e-5
     assert figures["top_token_agreement"] == 1.0
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_our_export_loads_strictly_in_specforge_and_agrees(target, sequence, kind, tmp_path):
+def test_our_export_loads_strictly_in_specforge_and_agrees(target, sequence, kind, tmp_path, report):
     model = drafter_of_kind(target, kind)
     save_drafter(model, tmp_path, layout="specforge", dtype=torch.float32)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DSparkDraftModel"] and config["dflash_config"]["markov_head_type"] == kind
     assert not set(FROZEN) & set(load_file(tmp_path / "model.safetensors"))
-    check(compare(model, specforge_model(tmp_path), target, sequence), f"dspark -> specforge ({kind})")
+    check(compare(model, specforge_model(tmp_path), target, sequence), f"dspark -> specforge ({kind})", report)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_drafter_saved_by_specforge_loads_here_and_agrees(target, sequence, kind, tmp_path):
+def test_a_drafter_saved_by_specforge_loads_here_and_agrees(target, sequence, kind, tmp_path, report):
     """SpecForge's model, initialised at random by SpecForge (seeded) for the real target's shapes and saved with its
     save_pretrained, loads with load_drafter."""
     bundled = json.loads((DEFAULT_DRAFTER_DIR / "config.json").read_text())
@@ -142,7 +142,7 @@ def test_a_drafter_saved_by_specforge_loads_here_and_agrees(target, sequence, ki
     sf_model.save_pretrained(tmp_path)
     loaded = load_drafter(tmp_path, target, dtype=torch.float32)
     assert loaded.c.markov_head_type == kind and loaded.mask_token_id == 16
-    check(compare(loaded, sf_model, target, sequence), f"specforge -> dspark ({kind})")
+    check(compare(loaded, sf_model, target, sequence), f"specforge -> dspark ({kind})", report)
 
 
 def test_the_default_export_is_complete(target, tmp_path):

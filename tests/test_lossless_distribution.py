@@ -165,7 +165,7 @@ def test_synthetic_check_fails_with_broken_residual(name, monkeypatch):
 
 
 # ---- real model ---------------------------------------------------------------------------------
-REAL_SAMPLES = 20_000
+REAL_SAMPLES = 12_000  # enough: a residual drawn from p instead gives p-values of 1e-200 and 3e-64 here (long test)
 REAL_PROMPT = "The"  # one token, so each request's prefill is cheap
 REAL_TOKENS = 3  # compared per request
 DRAFT_TEMPERATURE = 3.0  # q: the target's top logits this flat (wider than p: q > 0 where p = 0 under top-p)
@@ -209,3 +209,12 @@ def test_real_model_joint_matches_plain_sampling(setting, llm_bf16, make_llm):
     # the speculative path ran: most requests verified a draft, with both outcomes common
     assert verified > REAL_SAMPLES / 2 and 0.2 < accepted / verified < 0.9
     assert p_value > ALPHA
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("setting", list(REAL_SETTINGS))
+def test_real_model_check_fails_with_broken_residual(setting, llm_bf16, monkeypatch):
+    """The real-model G-test at REAL_SAMPLES has the power to see a broken verifier: drawing the correction from p
+    instead of norm(max(0, p - q)) is caught."""
+    monkeypatch.setattr(dspark.verify, "residual", lambda p, q, rejected: p)
+    assert real_model_check(llm_bf16, setting)[0] < BROKEN_ALPHA

@@ -515,7 +515,7 @@ def fuzz_request(rng: random.Random) -> tuple[str, str, bytes, dict]:
     return "POST", path, raw, headers
 
 
-def test_fuzzed_requests_never_get_5xx_and_the_server_goes_on(server, client):
+def test_fuzzed_requests_never_get_5xx_and_the_server_goes_on(server, client, report):
     """FUZZ_COUNT seeded random malformed and adversarial requests, 4 at a time: no 5xx, every answer JSON with the
     error shape (or a valid answer or stream), no traceback in the log (the module fixture checks it at the end), and
     a normal request afterwards is answered as before."""
@@ -543,7 +543,7 @@ def test_fuzzed_requests_never_get_5xx_and_the_server_goes_on(server, client):
         if status >= 400:
             assert set(payload["error"]) == {"message", "type", "param", "code"} and payload["error"]["message"]
         assert "Traceback" not in text
-    print(f"fuzz: {FUZZ_COUNT} requests (seed {FUZZ_SEED}), statuses {dict(sorted(statuses.items()))}")
+    report(f"fuzz: {FUZZ_COUNT} requests (seed {FUZZ_SEED}), statuses {dict(sorted(statuses.items()))}")
     assert statuses.get(200, 0) >= 50 and sum(v for k, v in statuses.items() if 400 <= k < 500) >= 500
     assert wait_until(server.idle, 30)
     assert greedy_chat(client, PROMPTS[0], max_tokens=8).choices[0].message.content == before
