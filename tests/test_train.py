@@ -280,7 +280,8 @@ main_train(TrainConfig(**json.loads(sys.argv[1])))
 @pytest.mark.slow
 def test_two_process_training_equals_one_process(tiny_target_dir, train_data, tmp_path):
     """torchrun with 2 processes (gloo) and one process on the same global batch of 4 sequences reach
-    the same weights after a few steps (the blocks are split unevenly between the two processes)."""
+    the same weights after a few steps (the blocks are split unevenly between the two processes) and log the same
+    losses and acceptance."""
     single = train_config(train_data, tmp_path / "single", tiny_target_dir, steps=STEPS)
     main_train(single)
     ddp = train_config(train_data, tmp_path / "ddp", tiny_target_dir, steps=STEPS)
@@ -295,6 +296,11 @@ def test_two_process_training_equals_one_process(tiny_target_dir, train_data, tm
     assert one.keys() == two.keys()
     for name in one:  # per tensor: float sums run in another order, and Adam divides by tiny moments
         assert (two[name] - one[name]).norm() <= 1e-5 * one[name].norm(), name
+    logs = [[json.loads(r) for r in (tmp_path / run / "train_log.jsonl").read_text().splitlines()]
+            for run in ("single", "ddp")]
+    for a, b in zip(*logs):  # the logged figures are the whole global batch's, not rank 0's share
+        for key in ("loss", "ce", "tv", "conf", "tau_est"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (a["step"], key)
 
 
 def test_feature_cache_trains_exactly_like_online_features(tiny_target_dir, train_data, tmp_path):

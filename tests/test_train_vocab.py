@@ -130,20 +130,20 @@ def test_trainer_writes_its_draft_vocabulary_and_trains_only_its_rows(tiny_targe
     w2 = load_file(tmp_path / "run" / "model.safetensors")["markov_head.markov_w2.weight"]
     assert not w2[outside].any() and bool(w2[ids].any())
     resumed = Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
-                                   draft_vocab=32, steps=3))
+                                   draft_vocab=32, steps=2))
     assert resumed.step == 2 and torch.equal(resumed.vocab.ids, ids)
     assert json.loads((tmp_path / "run" / "draft_vocab.json").read_text())["trained"] is True
     for size, refusal in ((48, "holds 32 tokens"), (0, "--draft-vocab 32")):
         with pytest.raises(ValueError, match=refusal):
             Trainer(train_config(train_data, tmp_path / "run", tiny_target_dir, markov_head_type="vanilla",
-                                 draft_vocab=size))
+                                 draft_vocab=size, steps=2))
     assert main(["draft-vocab", "--drafter", str(tmp_path / "run"), "--data", str(train_data), "--size", "16"]) == 2
     assert "trained over a draft vocabulary" in capsys.readouterr().err  # dspark draft-vocab keeps it
     assert torch.equal(load_draft_vocab(tmp_path / "run", VOCAB), ids)
     whole = tmp_path / "whole"
     Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", steps=1)).fit()
     with pytest.raises(ValueError, match="over the whole vocabulary"):
-        Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", draft_vocab=32, steps=2))
+        Trainer(train_config(train_data, whole, tiny_target_dir, markov_head_type="vanilla", draft_vocab=32, steps=1))
 
 
 def test_the_feature_caches_log_normaliser_trains_like_the_online_one(tiny_target_dir, train_data, tmp_path):

@@ -104,6 +104,10 @@ TRAIN_HELP = {
     "eval_every": "steps between held-out evaluations of the expected acceptance length",
     "eval_sequences": "sequences held out from the end of the data file",
     "max_minutes": "stop after this much wall time (checkpoint saved; rerun to continue)",
+    "allow_changes": "resume even though training settings (data, batch size, learning rate, steps, seed, ...) "
+                     "differ from the checkpoint's (1): each change is recorded in the checkpoint and in the exported "
+                     "training.json; settings that shape the drafter (type, layers, block, rank, head, vocabulary, "
+                     "init, target) never change",
 }
 
 
@@ -134,9 +138,13 @@ def add_train_parser(sub):
     tr = sub.add_parser("train", help="train a DSpark, DFlash, Eagle3-style or MTP-1 drafter for a target",
                         description="Train a drafter against the frozen target on regenerated answers: target "
                                     "features online, packed anchors, L = 0.1 CE + 0.9 TV + 1.0 confidence-BCE. "
-                                    "Progress bar with the losses and the running acceptance estimate; atomic "
-                                    "checkpoints; exact resume; `torchrun --nproc-per-node N -m dspark.cli train ...` "
-                                    "for data-parallel training (gloo on CPU).")
+                                    "Progress bar with the losses and the running acceptance estimate. Each checkpoint "
+                                    "is one atomic file (OUT/train_state.pt: weights, optimizer, random states, "
+                                    "settings); rerunning the command resumes exactly, says from which step, and "
+                                    "refuses changed settings unless --allow-changes 1. `torchrun --nproc-per-node N "
+                                    "-m dspark.cli train ...` trains data-parallel (gloo on CPU); on a CPU, one "
+                                    "process using every core (--threads) is faster than one process per core, so "
+                                    "use torchrun across machines or GPUs.")
     for f in fields(TrainConfig):
         if f.name not in TRAIN_HELP:
             continue
@@ -206,6 +214,7 @@ def cmd_export(args) -> int:
 
     from .draft.checkpoint import load_drafter, save_drafter
     from .target.loading import load_target
+    from .train.train_state import STATE_FILE, read_state
 
     src, dst = Path(args.drafter), Path(args.out)
     if dst.resolve() == src.resolve():
@@ -217,9 +226,10 @@ def cmd_export(args) -> int:
     for extra in ("train_log.jsonl", "calibration.json", "reliability.png", "draft_vocab.json"):
         if (src / extra).is_file():
             shutil.copy(src / extra, dst / extra)
-    if (src / "train_state.pt").is_file():
-        state = torch.load(src / "train_state.pt", weights_only=False)
-        (dst / "training.json").write_text(json.dumps({"step": state["step"], "config": state["config"]}, indent=1))
+    if (src / STATE_FILE).is_file():
+        state = read_state(src / STATE_FILE)
+        (dst / "training.json").write_text(json.dumps({"step": state["step"], "config": state["config"],
+                                                       "changes": state.get("changes", [])}, indent=1))
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors")) / 2**20
     print(f"exported {src} -> {dst} ({args.format} layout, {args.dtype}, {size:.1f} MB of weights)", file=sys.stderr)
     return 0

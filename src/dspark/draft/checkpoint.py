@@ -98,27 +98,58 @@ def is_eagle3(config: dict) -> bool:
     return EAGLE3_ARCHITECTURE in config.get("architectures", [])
 
 
-def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DSparkModel | Eagle3Model:
-    """Load a drafter folder (DSpark, DFlash, or Eagle3-style by `architectures`); with a target
-    (TargetModel), check it fits and share its embedding and LM head."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
+CONFIG_TYPES = {"target_layer_ids": list, "block_size": int, "mask_token_id": int, "markov_rank": int,
+                "markov_head_type": str, "enable_confidence_head": bool, "confidence_head_with_markov": bool,
+                "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int, "num_attention_heads": int,
+                "num_key_value_heads": int, "vocab_size": int, "head_dim": int}
+
+
+def read_config(folder: Path) -> dict:
+    """A drafter's config.json (SpecForge's layout read too), its drafter fields present and of the right types;
+    anything else is a one-line error naming the file."""
+    path = folder / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"no drafter at {folder} (config.json missing)")
-    config = json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a drafter config (a JSON object)")
     if is_specforge(config):
         config = from_specforge(config, default_mask_token(config))
     required = ("target_layer_ids", "block_size") if is_eagle3(config) else ("target_layer_ids", "block_size",
                                                                               "mask_token_id")
     missing = [k for k in required if k not in config]
     if missing:
-        raise ValueError(f"{folder}/config.json is not a DSpark/DFlash/Eagle3 drafter config (missing {missing})")
+        raise ValueError(f"{path} is not a DSpark/DFlash/Eagle3 drafter config (missing {missing})")
     config.setdefault("markov_rank", 0)
     config.setdefault("markov_head_type", "vanilla")
     config.setdefault("enable_confidence_head", False)
     config.setdefault("confidence_head_with_markov", False)
+    for field, kind in CONFIG_TYPES.items():
+        value = config.get(field)
+        wrong = value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
+        if wrong or (field == "target_layer_ids" and not all(type(i) is int for i in value)):
+            raise ValueError(f"{path}: {field} must be {'a list of ints' if kind is list else kind.__name__}, "
+                             f"got {value!r}")
+    return config
+
+
+def load_drafter(folder: str | Path, target=None, dtype: torch.dtype | None = None) -> DSparkModel | Eagle3Model:
+    """Load a drafter folder (DSpark, DFlash, or Eagle3-style by `architectures`); with a target
+    (TargetModel), check it fits and share its embedding and LM head."""
+    folder = Path(folder)
+    config = read_config(folder)
     if target is not None:
         check_compatible(config, target.config)
-    state = load_file(folder / "model.safetensors")
+    try:
+        state = load_file(folder / "model.safetensors")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no drafter weights at {folder / 'model.safetensors'}") from None
+    except Exception as exc:  # a torn or foreign file
+        raise ValueError(f"{folder / 'model.safetensors'} is not a readable safetensors file ({exc}); export or "
+                         "copy the drafter again") from None
     dtype = dtype or (target.dtype if target is not None else next(iter(state.values())).dtype)
     with torch.device("meta"):
         model = Eagle3Model(config) if is_eagle3(config) else DSparkModel(config)

@@ -33,4 +33,5 @@ class TrainConfig:
     eval_every: int = 100
     eval_sequences: int = 16  # held out from the end of the data file
     max_minutes: float | None = None  # stop (after saving) when this much wall time has passed
+    allow_changes: bool = False  # on resume, accept changed training settings (recorded in the checkpoint)
     extra: dict = field(default_factory=dict)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..draft.checkpoint import atomic_write, draft_config, load_drafter, save_drafter
+from ..draft.checkpoint import draft_config, load_drafter, save_drafter
 from ..draft.draft_vocab import DRAFT_VOCAB_FILE, TrainingVocab, answer_vocab, load_draft_vocab, save_draft_vocab
 from ..draft.dspark_model import DSparkModel
 from ..draft.eagle3_model import Eagle3Model, eagle3_config
@@ -32,6 +33,8 @@ from .config import TrainConfig
 from .feature_cache import FeatureCache
 from .features import target_features
 from .forward import forward_for
+from .train_state import (STATE_FILE, compare_settings, describe, file_sha256, read_state, save_state, say,
+                          trim_log)
 
 
 
@@ -42,18 +45,26 @@ def stable_seed(*parts) -> int:
 
 def load_sequences(path: str, max_len: int) -> list[dict]:
     """Records of a regenerated JSONL, cut to max_len tokens; a repeated id (two runs appending to one file)
-    counts once."""
+    counts once. A malformed line is a one-line ValueError naming the file and line."""
     recs, seen = [], set()
     with open(path) as f:
-        for line in f:
-            if line.strip():
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 r = json.loads(line)
-                if r["id"] in seen:
-                    continue
-                seen.add(r["id"])
-                ids = (r["prompt_ids"] + r["answer_ids"])[:max_len]
-                recs.append({"id": r["id"], "ids": ids, "start": len(r["prompt_ids"]) - 1,
-                             "answer": ids[len(r["prompt_ids"]):]})  # the answer tokens trained on
+                rid, prompt, answer = r["id"], list(r["prompt_ids"]), list(r["answer_ids"])
+                if not prompt or not all(isinstance(t, int) for t in prompt + answer):
+                    raise ValueError("prompt_ids and answer_ids must be lists of token ids, the prompt not empty")
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{n} is not a regenerated record ({reason})") from None
+            if rid in seen:
+                continue
+            seen.add(rid)
+            ids = (prompt + answer)[:max_len]
+            recs.append({"id": rid, "ids": ids, "start": len(prompt) - 1,
+                         "answer": ids[len(prompt):]})  # the answer tokens trained on
     if not recs:
         raise ValueError(f"no training records in {path}")
     return recs
@@ -137,15 +148,18 @@ class Trainer:
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {self.world} processes")
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target_dtype]
-        self.target, _, _ = load_target(cfg.target, dtype)
         self.out = Path(cfg.out)
+        self.state_path = self.out / STATE_FILE
+        saved = read_state(self.state_path) if self.state_path.is_file() else None
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.target_dtype]
+        self.target, _, target_folder = load_target(cfg.target, dtype)
+        self.fingerprint = {"target": Path(str(target_folder)).name, "data_sha256": file_sha256(cfg.data)}
+        self.changes = self._check_resume(saved) if saved else []
         self.records = load_sequences(cfg.data, cfg.max_len)
-        n_eval = min(cfg.eval_sequences, len(self.records) // 10)
-        self.train_recs, self.eval_recs = self.records[: len(self.records) - n_eval], self.records[len(self.records) - n_eval:]
-        self.state_path = self.out / "train_state.pt"
         self.cache = None
-        if self.state_path.is_file():
+        if saved and "weights" not in saved:
+            say(f"train: {self.state_path} holds no weights (an older checkpoint): they are read from "
+                f"{self.out / 'model.safetensors'}, unchecked")
             self.model = load_drafter(self.out, self.target, dtype=torch.float32)
         else:
             torch.manual_seed(cfg.seed)
@@ -155,27 +169,59 @@ class Trainer:
             # the frozen embedding and LM head are the target's own tensors, never copies
             self.model.embed_tokens.weight, self.model.lm_head.weight = (
                 self.target.embed_tokens.weight, self.target.lm_head.weight)
+            if saved:
+                self.model.load_state_dict(saved["weights"], strict=False)
+        self.records = self._with_room(self.records)
+        n_eval = min(cfg.eval_sequences, len(self.records) // 10)
+        self.train_recs, self.eval_recs = self.records[: len(self.records) - n_eval], self.records[len(self.records) - n_eval:]
         if cfg.feature_cache:
             if cfg.target_dtype != "bf16":
                 raise ValueError("the feature cache holds bf16 target features: train with target_dtype bf16")
             self.cache = FeatureCache(cfg.feature_cache, self.model.target_layer_ids, cfg.max_len)
         trained_vocab = self.trained_vocab_size()
-        if self.state_path.is_file() and bool(cfg.draft_vocab) != bool(trained_vocab):
+        if saved and bool(cfg.draft_vocab) != bool(trained_vocab):
             raise ValueError(f"{self.out} trains over a draft vocabulary: resume it with --draft-vocab {trained_vocab}"
                              if trained_vocab else
                              f"{self.out} was trained over the whole vocabulary: resume it without --draft-vocab")
-        self.vocab = self._training_vocab() if cfg.draft_vocab else None
+        self.vocab = self._training_vocab(resumed=saved is not None) if cfg.draft_vocab else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.step = 0
-        if self.state_path.is_file():
-            self._resume()
+        if saved:
+            self._resume(saved)
 
-    def _training_vocab(self) -> TrainingVocab:
+    def _check_resume(self, saved: dict) -> list[dict]:
+        """Compare the saved settings with these (module docstring of train_state.py); the changes allowed."""
+        fingerprint = saved.get("fingerprint")  # the target's folder name and the data's hash (older runs: none)
+        refused, changed = compare_settings({**saved["config"], **(fingerprint or {})},
+                                            {**asdict(self.cfg), **(self.fingerprint if fingerprint else {})})
+        if fingerprint:  # the data is compared by content: the same file elsewhere is no change
+            changed = [c for c in changed if c["field"] != "data"]
+        if refused:
+            raise ValueError(f"{self.out} was trained with another drafter ({'; '.join(refused)}); these cannot change "
+                             "on resume: train in a new folder")
+        if changed and not self.cfg.allow_changes:
+            raise ValueError(f"{self.out} was trained with other settings ({describe(changed)}); resume with the same "
+                             "ones, or pass --allow-changes 1 to change them (recorded in the checkpoint)")
+        return [{**c, "step": saved["step"]} for c in changed]
+
+    def _with_room(self, records: list[dict]) -> list[dict]:
+        """The records with room for at least one block after the prompt within max_len; the others would give
+        steps without a loss, so they are left out, with a message."""
+        block = self.model.block_size
+        kept = [r for r in records if len(r["ids"]) - 1 - block >= r["start"]]
+        if len(kept) < len(records) and self.rank == 0:
+            say(f"train: {len(records) - len(kept)} of {len(records)} records leave no room for a block of {block} "
+                f"within --max-len {self.cfg.max_len} (a prompt too long or an answer too short): left out")
+        if not kept:
+            raise ValueError(f"no record of {self.cfg.data} leaves room for a block within --max-len {self.cfg.max_len}")
+        return kept
+
+    def _training_vocab(self, resumed: bool) -> TrainingVocab:
         """The draft vocabulary of the training answers (held-out ones excluded), written beside the weights at
         the start, so that inference drafts from the tokens trained on; a resumed run reads it back."""
         path = self.out / DRAFT_VOCAB_FILE
-        if self.state_path.is_file():
+        if resumed:
             ids = load_draft_vocab(self.out, self.model.c.vocab_size, honour_options=False).tolist()
             if len(ids) != self.cfg.draft_vocab:
                 raise ValueError(f"{path} holds {len(ids)} tokens, not --draft-vocab {self.cfg.draft_vocab}")
@@ -254,9 +300,19 @@ class Trainer:
             group["lr"] = self.lr_at(self.step)
         self.opt.step()
         self.step += 1
-        return {"step": self.step, "loss": parts.total.item(), "ce": parts.ce.item(), "tv": parts.tv.item(),
-                "conf": parts.conf.item(), "tau_est": parts.tau.item(), "grad_norm": float(gnorm),
-                "lr": self.lr_at(self.step - 1)}
+        loss, ce, tv, conf, tau = self.global_figures(parts)
+        return {"step": self.step, "loss": loss, "ce": ce, "tv": tv, "conf": conf, "tau_est": tau,
+                "grad_norm": float(gnorm), "lr": self.lr_at(self.step - 1)}
+
+    def global_figures(self, parts) -> list[float]:
+        """Loss terms and τ over the whole global batch: each process's averages weighted by its blocks."""
+        figures = torch.stack([parts.total, parts.ce, parts.tv, parts.conf, parts.tau]).detach().float()
+        if self.world == 1:
+            return figures.tolist()
+        blocks = parts.blocks.float().reshape(1)
+        summed = torch.cat([figures * blocks, blocks])
+        dist.all_reduce(summed)
+        return (summed[:-1] / summed[-1].clamp(min=1)).tolist()
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -273,19 +329,40 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self):
+        """The state (one atomic file, train_state.py), then the drafter folder's view of it."""
         if self.rank != 0:
             return
+        weights = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        save_state(self.state_path, {"step": self.step, "weights": weights, "opt": self.opt.state_dict(),
+                                     "config": asdict(self.cfg), "fingerprint": self.fingerprint,
+                                     "changes": self.changes,
+                                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}})
         save_drafter(self.model, self.out)
-        state = {"step": self.step, "opt": self.opt.state_dict(), "config": asdict(self.cfg),
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-        atomic_write(self.state_path, lambda p: torch.save(state, p))
 
-    def _resume(self):
-        state = torch.load(self.state_path, weights_only=False)
+    def _resume(self, state: dict):
         self.step = state["step"]
         self.opt.load_state_dict(state["opt"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        new, self.changes = self.changes, state.get("changes", []) + self.changes
+        if self.rank != 0:
+            return
+        if "weights" in state and not self._view_matches(state["weights"]):
+            say(f"train: {self.out / 'model.safetensors'} was not step {self.step}'s (a kill between the checkpoint's "
+                "writes): rewritten from the training state")
+            save_drafter(self.model, self.out)
+        dropped = trim_log(self.out, self.step)
+        changes = f"; settings changed: {describe(new)}" if new else ""
+        say(f"train: resumed {self.out} from step {self.step}"
+            + (f" ({dropped} log rows after it dropped)" if dropped else "") + changes)
+
+    def _view_matches(self, weights: dict) -> bool:
+        view = self.out / "model.safetensors"
+        try:
+            saved = load_file(view)
+        except Exception:  # absent or torn: rewritten from the state
+            return False
+        return saved.keys() == weights.keys() and all(torch.equal(saved[k], w) for k, w in weights.items())
 
     def log(self, row: dict):
         if self.rank == 0:
