@@ -1,4 +1,5 @@
-"""The benchmark scripts still run end to end (tiny settings) and write the result files they promise."""
+"""The benchmark scripts still run end to end (tiny settings) and write the result files they promise. The longer
+ones (most: each loads the bundled target and runs every system it compares) are `long` tests: `make test-long`."""
 import importlib.util
 import json
 import sys
@@ -26,7 +27,7 @@ def load_script(path: Path = SCRIPT):
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_engine_speed_quick_writes_result(tmp_path):
     script = load_script()
     out = tmp_path / "engine_speed"
@@ -93,7 +94,7 @@ def run_script(name: str, argv: list[str]) -> int:
         torch.set_num_threads(threads)  # the scripts set the process-wide thread count
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_drafters_quick_writes_result(tmp_path, random_drafters):
     out = tmp_path / "drafters"
     argv = ["--quick", "--no-llama-cpp", "--threads", "1", "--max-new-tokens", "6", "--tau-dtype", "fp32",
@@ -136,7 +137,7 @@ def test_drafters_quick_writes_result(tmp_path, random_drafters):
         run_script("drafters.py", argv + ["--resume"])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_concurrency_sweep_runs_prompt_lookup_configs(tmp_path, random_drafters):
     out = tmp_path / "lookup"
     assert run_script("concurrency_sweep.py", ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"),
@@ -147,7 +148,7 @@ def test_concurrency_sweep_runs_prompt_lookup_configs(tmp_path, random_drafters)
     assert all(r["mean_verified"] > 0 for r in rows if r["config"] == "lookup+dspark")  # the drafter drafts too
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
     out = tmp_path / "sweep"
     assert run_script("concurrency_sweep.py", ["--quick", "--threads", "1", "--drafter", str(random_drafters / "dspark"),
@@ -178,7 +179,7 @@ def test_concurrency_sweep_quick_writes_result(tmp_path, random_drafters):
         run_script("concurrency_sweep.py", argv[:-3] + ["--resume"])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_forward_split_quick_writes_result(tmp_path):
     from dspark.layers import Linear
 
@@ -192,7 +193,7 @@ def test_forward_split_quick_writes_result(tmp_path):
     assert 0 < result["headline"]["rest_share_bf16_b1"] < 1
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_tiles_quick_writes_result(tmp_path):
     out = tmp_path / "tiles"
     assert run_script("tiles.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
@@ -203,7 +204,7 @@ def test_tiles_quick_writes_result(tmp_path):
     assert "forward_speedup_16" in result["headline"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_serve_load_quick_loses_nothing(tmp_path):
     out = tmp_path / "load"
     assert run_script("serve_load.py", ["--quick", "--threads", "1", "--out", str(out)]) == 0
@@ -215,7 +216,7 @@ def test_serve_load_quick_loses_nothing(tmp_path):
     assert result["headline"]["server_over_offline_throughput"] > 0 and result["headline"]["server_lost_responses"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_train_step_times_trees_and_variants_side_by_side(tmp_path, tiny_target_dir):
     """Both trees (here the same src) train the same steps, each also over a draft vocabulary: rows per drafter,
     tree and variant, equal losses across trees, another loss over the vocabulary, ratios to the first."""
@@ -238,7 +239,7 @@ def test_train_step_times_trees_and_variants_side_by_side(tmp_path, tiny_target_
         run_script("train_step.py", [*argv[:-2], "--variant", "bad", "--out", str(out)])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_draft_vocab_quick_writes_result(tmp_path):
     from dspark.draft import DEFAULT_DRAFTER_DIR
 
@@ -258,7 +259,7 @@ def test_draft_vocab_quick_writes_result(tmp_path):
     assert "whole vocabulary" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_heldout_engine_scores_what_the_engine_drafts(tmp_path):
     """Training's c*_1 at the positions where the engine's cycles began equals the engine's own Σ min(p, q) for
     those first drafts (the bundled drafter, a few real prompts): training and inference see the same blocks."""
@@ -326,3 +327,18 @@ def test_prefill_quick_writes_result(tmp_path):
         assert row["ttft_ms_median"] > 0 and row["prompt_tokens_per_s"] > 0 and row["over_dspark"] > 0
     assert result["headline"]["ttft_loop_over_fused"] > 0
     assert "ttft_loop_over_fused" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.long
+def test_drafter_cost_quick_writes_result(tmp_path):
+    script = load_script(BENCHMARKS / "drafter_cost.py")
+    out = tmp_path / "drafter_cost"
+    threads = torch.get_num_threads()
+    try:
+        assert script.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["headline"]) == {"dspark_block_over_plain_step", "dspark_block_over_plain_step_t0"}
+    for row in result["rows"]:
+        assert row["block_calls"] > 0 and row["ms_backbone"] > 0 and row["block_over_plain_step"] > 0

@@ -21,6 +21,7 @@ from dspark.draft.draft_vocab import load_draft_vocab
 from dspark.engine.llm_engine import LLMEngine
 from dspark.sampling import SamplingParams
 from dspark.schedule import CostTable, make_scheduler
+from dspark.schedule.drift import DriftMonitor
 from test_lossless_distribution import ALPHA, REAL_PROMPT
 
 REPO_DRAFTERS = DEFAULT_DRAFTER_DIR.parents[3] / "drafters"
@@ -83,15 +84,19 @@ def test_greedy_equals_plain_with_trained_drafters(name, scheduler, dtype, make_
 # token near the cut's edge is kept or dropped by the last bit of its logit: speculation computes that logit in a
 # verify forward, plain sampling in a decode forward, so this case holds only because they round alike (Options.exact)
 DISTRIBUTION_CASES = [
-    pytest.param("dspark", "async", SamplingParams(temperature=1.0), SAMPLES, marks=pytest.mark.long, id="t1-async"),
-    pytest.param("dspark", "fixed", SamplingParams(temperature=0.7, top_p=0.9), 4_000, marks=pytest.mark.slow,
-                 id="t0.7-top_p0.9-fixed")]
+    pytest.param("dspark", "async", SamplingParams(temperature=1.0), SAMPLES, False, marks=pytest.mark.long,
+                 id="t1-async"),
+    pytest.param("dspark", "fixed", SamplingParams(temperature=0.7, top_p=0.9), 4_000, False, marks=pytest.mark.slow,
+                 id="t0.7-top_p0.9-fixed"),
+    pytest.param("dspark", "async", SamplingParams(temperature=1.0), 4_000, True, marks=pytest.mark.slow,
+                 id="t1-async-online-refit")]
 
 
-@pytest.mark.parametrize("name,scheduler,sampling,samples", DISTRIBUTION_CASES)
-def test_joint_matches_plain_sampling(name, scheduler, sampling, samples, llm_bf16):
+@pytest.mark.parametrize("name,scheduler,sampling,samples,refit", DISTRIBUTION_CASES)
+def test_joint_matches_plain_sampling(name, scheduler, sampling, samples, refit, llm_bf16):
     """bf16: the joint of the first TOKENS tokens over `samples` seeded requests against the exact plain-sampling
-    joint (G-test)."""
+    joint (G-test). refit: online calibration re-fits the STS temperatures again and again while the requests run
+    (a monitor that finds drift at every check), so the drafts verified change mid-run."""
     target, tokenizer = llm_bf16.engine.target, llm_bf16.tokenizer
     params = dataclasses.replace(sampling, max_tokens=TOKENS, ignore_eos=True)
     prompt = tokenizer.encode(REAL_PROMPT, add_special_tokens=False)
@@ -99,9 +104,13 @@ def test_joint_matches_plain_sampling(name, scheduler, sampling, samples, llm_bf
     config = EngineConfig(dtype="bf16", max_num_seqs=512, max_model_len=len(prompt) + TOKENS + 8)
     drafter = make_drafter(str(drafter_dir(name)), target=target, max_model_len=config.max_model_len)
     engine = LLMEngine(target, tokenizer, drafter, make_scheduler(scheduler, drafter.gamma, cost=NEARLY_FREE), config)
+    monitor = DriftMonitor(drafter.temperatures, window=400, min_rows=50, check_every=1, patience=1, tolerance=-1.0)
+    if refit:
+        engine.watch_calibration(monitor)
     requests = [engine.add_request(prompt, dataclasses.replace(params, seed=i)) for i in range(samples)]
     while engine.has_unfinished():
         engine.step()
+    assert (monitor.state.refits >= 3) == refit
     assert all(r.finish_reason == "length" for r in requests)
     keys, probs = tree.cells()
     index = {key: i for i, key in enumerate(keys)}

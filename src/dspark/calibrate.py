@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+BINS = 15  # equal-width bins of the ECE
 GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))  # temperatures searched
 CALIBRATION_FILE = "calibration.json"
 MIN_CLASS = 20  # accepted and rejected drafts a position needs for its ROC-AUC to enter the mean
@@ -36,7 +37,7 @@ def scale(c: np.ndarray, temperature: float) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.log(c / (1 - c)) / temperature))
 
 
-def ece(probs: np.ndarray, events: np.ndarray, bins: int = 15) -> float:
+def ece(probs: np.ndarray, events: np.ndarray, bins: int = BINS) -> float:
     """Expected calibration error with equal-width bins."""
     if len(probs) == 0:
         return float("nan")

@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..draft.base import Drafter, NoDrafter
 from ..sampling import SamplingParams, param_tensors, sample, token_logprobs, warp
 from ..schedule.base import FixedLength, Scheduler
+from ..schedule.drift import DriftMonitor
 from ..schedule.survival import expected_tau, prefix_survival
 from ..kernels.argmax import argmax_rows
 from ..target.kv_cache import KVCache
@@ -46,6 +47,7 @@ class LLMEngine:
         self.stats: deque[StepStats] = deque(maxlen=100_000)
         self.max_prefill_tokens = 4096
         self.record_confidence = False  # keep each step's c[R, γ] in its stats (calibration reads them)
+        self.drift: DriftMonitor | None = None  # online calibration check and STS re-fit (watch_calibration)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -178,12 +180,26 @@ class LLMEngine:
         if proposal.confidence is not None:
             st.expected_tau = expected_tau(prefix_survival(proposal.confidence, proposal.lengths), lengths)
             st.confidence = proposal.confidence.tolist() if self.record_confidence else None
+            if self.drift is not None:
+                self._recalibrate(proposal.confidence.tolist(), lengths.tolist(), accepted)
         elif st.draft_skipped and self.drafter.has_confidence:  # nothing verified: τ is 1 per request, surely
             st.expected_tau = float(len(reqs))
         for req, n, v in zip(reqs, accepted, st.verified):
             req.drafts_verified += v
             req.drafts_accepted += n
             req.steps += 1
+
+    def watch_calibration(self, monitor: DriftMonitor | None) -> None:
+        """Check the confidence head's calibration against what is accepted, step by step, and re-fit its STS
+        temperatures when it drifts (schedule/drift.py); None stops. Only which drafts are verified can change."""
+        if monitor is not None and not (self.drafter.has_confidence and hasattr(self.drafter, "temperatures")):
+            raise ValueError("online calibration needs a drafter with a confidence head")
+        self.drift = monitor
+
+    def _recalibrate(self, confidence: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+        temperatures = self.drift.observe(confidence, verified, accepted)
+        if temperatures is not None:  # the step's drafts are made: the next proposal reads them
+            self.drafter.temperatures = temperatures
 
     # ---- pieces of the step ---------------------------------------------------------------------
     def _admit(self, st: StepStats) -> list[RequestOutput]:
