@@ -16,69 +16,20 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx2 as httpx  # the HTTP client the openai package ships on
 import openai
 import pytest
-import uvicorn
+
+from server_utils import MODEL, Server, Tracebacks, free_port, wait_until
 
 from dspark import LLM
 from dspark.cli import main as cli_main
-from dspark.serve.app import build_app
-from dspark.serve.settings import ServerSettings
 
-MODEL = "smollm2"
 PROMPTS = ["What is 12 times 7? Answer briefly.", "Name three colors of the rainbow."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(check, timeout: float = 30.0, every: float = 0.05):
-    end = time.time() + timeout
-    while time.time() < end:
-        if check():
-            return True
-        time.sleep(every)
-    return False
-
-
-class Server:
-    def __init__(self, llm: LLM, max_waiting: int, **settings):
-        self.llm = llm
-        self.app = build_app(llm, ServerSettings(MODEL, max_waiting=max_waiting, default_max_tokens=32, **settings))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-
-    @property
-    def loop_engine(self):
-        return self.app.state.engine
-
-    def idle(self) -> bool:
-        e = self.llm.engine
-        return not e.running and not e.waiting and self.loop_engine.in_flight() == 0 and e.cache.num_used == 0
-
-
-class Tracebacks(logging.Handler):
-    """Log records of the server that carry an exception (a traceback in its log)."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        if record.exc_info or "Traceback" in record.getMessage():
-            self.records.append(record)
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +413,8 @@ def keyed_server(server):
 def test_with_an_api_key_every_route_but_health_needs_it(keyed_server):
     url = keyed_server.url
     for method, path in [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
-                         ("GET", "/docs"), ("GET", "/openapi.json")]:
+                         ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/"), ("GET", "/v1/live"),
+                         ("GET", "/v1/live?key=wrong"), ("GET", "/metrics?key=sesame")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
             r = httpx.request(method, url + path, headers=headers, json=chat_body(max_tokens=2), timeout=30)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
@@ -470,6 +422,7 @@ def test_with_an_api_key_every_route_but_health_needs_it(keyed_server):
     good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
     assert greedy_chat(good, PROMPTS[0], max_tokens=3).choices[0].message.content
     assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sesame"}, timeout=10).status_code == 200
+    assert httpx.get(url + "/?key=sesame", timeout=10).status_code == 200  # the page (a browser sends no header)
 
 
 # ---- fuzz ---------------------------------------------------------------------------------------------
@@ -538,6 +491,9 @@ def test_fuzzed_requests_never_get_5xx_and_the_server_goes_on(server, client, re
         if ctype.startswith("text/event-stream"):
             events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]" and all(json.loads(e) for e in events[:-1])
+            continue
+        if ctype.startswith("text/html"):  # GET /: the live page
+            assert method == "GET" and path in ("/", "/metrics/..") and text.startswith("<!doctype html>")
             continue
         payload = json.loads(text)
         if status >= 400:

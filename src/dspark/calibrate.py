@@ -158,9 +158,15 @@ def save_calibration(folder: str | Path, temperatures, report: dict) -> Path:
     return path
 
 
-def load_temperatures(folder: str | Path) -> list[float] | None:
+def load_calibration(folder: str | Path) -> dict | None:
+    """calibration.json (temperatures, the report before and after), or None."""
     path = Path(folder) / CALIBRATION_FILE
-    return json.loads(path.read_text())["temperatures"] if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_temperatures(folder: str | Path) -> list[float] | None:
+    calibration = load_calibration(folder)
+    return calibration["temperatures"] if calibration else None
 
 
 def collect(llm, prompts: list, params, progress: bool = True) -> ConfidenceData:

@@ -67,7 +67,8 @@ def cmd_serve(args) -> int:
     from .serve.settings import ServerSettings
 
     settings = ServerSettings(args.model_name, args.api_key, args.max_waiting, args.default_max_tokens,
-                              args.max_completion_tokens, args.max_prompt_tokens, args.max_n, args.max_body_bytes)
+                              args.max_completion_tokens, args.max_prompt_tokens, args.max_n, args.max_body_bytes,
+                              args.online_calibration)
     llm = llm_from_args(args, max_num_seqs=args.max_num_seqs, profile=args.profile)
     return serve(llm, settings, args.host, args.port, args.graceful_seconds)
 
@@ -76,7 +77,8 @@ def add_serve_parser(sub):
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and completions, streaming)",
                         description="Serve the target (with the drafter and scheduler) behind an OpenAI-compatible "
                                     "API: POST /v1/chat/completions and /v1/completions (stream or not; logprobs; "
-                                    "top_k as an extension), GET /v1/models, /health and /metrics (Prometheus). All "
+                                    "top_k as an extension), GET /v1/models, /health and /metrics (Prometheus), and a "
+                                    "live page of the engine's steps at / (open it in a browser). All "
                                     "connections share one engine loop, so concurrent requests are batched together. "
                                     "The port opens at once: without a cached SPS(B) profile the cost-table schedulers "
                                     "start from a provisional table that measured steps correct (--profile measures "
@@ -101,6 +103,10 @@ def add_serve_parser(sub):
     sv.add_argument("--max-n", type=int, default=16, help="choices per request at most (default: %(default)s)")
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="request body size at most; larger ones get 413 (default: %(default)s)")
+    sv.add_argument("--online-calibration", action="store_true",
+                    help="re-fit the confidence head's STS temperatures on live traffic when its calibration drifts "
+                         "(checked either way; shown on the page at / and in /metrics). Outputs never change, only "
+                         "which drafts are verified (default: off)")
     sv.add_argument("--profile", action="store_true",
                     help="with no cached SPS(B) profile, measure one before opening the port (minutes)")
     sv.add_argument("--graceful-seconds", type=float, default=30.0,

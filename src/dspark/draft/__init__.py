@@ -68,7 +68,7 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
         from .eagle3 import Eagle3Drafter
         from .eagle3_model import Eagle3Model
 
-        from ..calibrate import load_temperatures
+        from ..calibrate import load_calibration
         from .draft_vocab import load_draft_vocab, restrict
         from ..kernels.groups import hold_head_groups
         from ..kernels.q4_1 import Q4Linear
@@ -85,8 +85,11 @@ def make_drafter(spec, gamma: int = 7, target=None, max_model_len: int = 8192) -
             hold_head_groups(model.lm_head)
         if isinstance(model, Eagle3Model):
             return Eagle3Drafter(model, max_model_len)
-        temps = load_temperatures(folder) if model.confidence_head is not None else None
-        return DSparkDrafter(model, max_model_len, temps)
+        calibration = load_calibration(folder) if model.confidence_head is not None else None
+        if calibration is None:
+            return DSparkDrafter(model, max_model_len)
+        return DSparkDrafter(model, max_model_len, calibration["temperatures"],
+                             offline_ece=calibration.get("after", {}).get("ece"))
     raise ValueError(f"unknown drafter {spec!r}: give none, prompt-lookup, default, auto (resolved by the engine), a "
                      "drafter folder or lookup+ before default or a folder")
 

@@ -16,15 +16,17 @@ from .dspark_model import DSparkModel
 
 
 class DSparkDrafter(ContextCacheDrafter):
-    """temperatures: STS temperatures T_1..T_γ applied to the confidences, c_k = σ(logit_k / T_k)."""
+    """temperatures: STS temperatures T_1..T_γ applied to the confidences, c_k = σ(logit_k / T_k); offline_ece: the
+    ECE they reached where they were fitted (calibration.json), which online calibration takes as given."""
 
     model: DSparkModel
 
-    def __init__(self, model: DSparkModel, max_model_len: int = 8192, temperatures: list[float] | None = None):
+    def __init__(self, model: DSparkModel, max_model_len: int = 8192, temperatures: list[float] | None = None,
+                 offline_ece: float | None = None):
         super().__init__(model, max_model_len)
         if temperatures is not None and len(temperatures) != self.gamma:
             raise ValueError(f"{len(temperatures)} calibration temperatures for a block of {self.gamma}")
-        self.temperatures = temperatures
+        self.temperatures, self.offline_ece = temperatures, offline_ece
         self.has_confidence = model.confidence_head is not None
 
     def project(self, requests, tokens, features, positions):

@@ -153,6 +153,7 @@ class LLMEngine:
         self._commit(reqs, batch, out.features, [len(t) for t in new_tokens], walks=verdict.path)  # 5. commit
         st.t_sample = time.perf_counter() - t
         self._record(st, reqs, proposal, lengths, verdict, batch)
+        st.first = (reqs[0].request_id, proposal.tokens[0, :int(lengths[0])].tolist(), new_tokens[0])
         return self._emit(reqs, new_tokens, scores)  # 6. emit
 
     def _propose(self, reqs: list[Request], room: torch.Tensor, st: StepStats) -> Proposal:

@@ -14,6 +14,7 @@ class StepStats:
     draft_skipped: bool = False  # the scheduler skipped the drafter call: a plain decoding step
     expected_tau: float | None = None  # Σ_r (1 + Σ_{j<=ℓ_r} a_rj): the confidences' prediction of self.tokens
     confidence: list[list[float]] | None = None  # c[R, γ], when the engine records it
+    first: tuple[str, list[int], list[int]] | None = None  # the batch's first request: (id, drafts verified, new tokens)
     prefill_tokens: int = 0
     admitted: int = 0  # requests admitted (prefilled) this step
     t_prefill: float = 0.0  # seconds

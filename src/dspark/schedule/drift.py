@@ -58,7 +58,6 @@ def logit(p: np.ndarray) -> np.ndarray:
 def pooled_ece(probs: np.ndarray, events: np.ndarray, bins: int = BINS) -> np.ndarray:
     """ECE (equal-width bins) of probs [M] against each row of events [D, M] at once: [D]."""
     idx = np.minimum((probs * bins).astype(int), bins - 1)
-    count = np.bincount(idx, minlength=bins)
     prob_sum = np.bincount(idx, weights=probs, minlength=bins)
     event_sum = np.stack([np.bincount(idx, weights=e, minlength=bins) for e in np.atleast_2d(events)])
     return np.abs(prob_sum - event_sum).sum(1) / max(len(probs), 1)
@@ -84,6 +83,13 @@ class DriftMonitor:
         self.over = 0  # checks over the bound in a row
         self.wait = min_rows  # new rows before the next check may run
         self.new_rows = 0
+
+    @classmethod
+    def for_drafter(cls, drafter, refit: bool = True, **settings) -> "DriftMonitor":
+        """A monitor of a DSpark drafter's confidence head: its temperatures (1 where it has none), its offline
+        ECE as the tolerance."""
+        temperatures = drafter.temperatures or [1.0] * drafter.gamma
+        return cls(temperatures, tolerance=getattr(drafter, "offline_ece", None) or 0.0, refit=refit, **settings)
 
     def observe(self, confidence: list[list[float]] | None, verified: list[int], accepted: list[int]) -> list[float] | None:
         """One engine step's calibrated confidences [R][<= γ], ℓ and n; new temperatures when a re-fit replaced them."""

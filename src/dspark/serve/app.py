@@ -2,7 +2,9 @@
 
 POST /v1/chat/completions and /v1/completions (streaming with server-sent events, or not; n choices of
 one prompt share its prefill, choice i samples with seed + i; log-probabilities on request; a list of completion
-prompts answers each), GET /v1/models, /health and /metrics (Prometheus). Every error is an OpenAI error object
+prompts answers each), GET /v1/models, /health and /metrics (Prometheus), and the live page: GET / (live.py's page)
+and GET /v1/live (its server-sent events of step records). With a drafter that has a confidence head, the engine
+checks its calibration online (schedule/drift.py; re-fitting it only with `online_calibration`). Every error is an OpenAI error object
 without a stack trace: 400 invalid or unsupported parameters, 401 a bad API key, 404 an unknown model or route, 413 a
 body over the limit, 429 over the in-flight limit, 500 a request whose generation failed (only that request). A
 client that goes away has its request aborted within a step.
@@ -21,14 +23,16 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine.llm import LLM
 from ..engine.request import RequestOutput
 from ..sampling import SamplingParams
 from .async_engine import AsyncEngine, Overloaded, Stream
+from ..schedule.drift import DriftMonitor
 from .guards import Guards
+from .live import LIVE_PERIOD, PAGE, StepFeed
 from .logprobs import TokenText
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, SamplingFields, error_response, unsupported
@@ -56,6 +60,9 @@ def build_app(llm: LLM, settings: ServerSettings = ServerSettings(), engine_thre
     max_len = engine.max_model_len
     max_prompt = min(settings.max_prompt_tokens or max_len - 1, max_len - 1)
     token_text = TokenText(llm.tokenizer)
+    if engine.drafter.has_confidence and hasattr(engine.drafter, "temperatures"):
+        engine.watch_calibration(DriftMonitor.for_drafter(engine.drafter, refit=settings.online_calibration))
+    feed = loop_engine.feed = StepFeed(engine, metrics, token_text)
     model_name = settings.model_name
 
     @asynccontextmanager
@@ -277,6 +284,30 @@ def build_app(llm: LLM, settings: ServerSettings = ServerSettings(), engine_thre
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # ---- the live page -------------------------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/v1/live")
+    async def live(request: Request, history: int = 300):
+        """Server-sent events, one every LIVE_PERIOD seconds: live.py's snapshot of the steps since the last one
+        (the first event: the last `history` steps)."""
+        async def events():
+            since = max(0, feed.count - max(0, history))
+            feed.clients += 1
+            try:
+                while not await request.is_disconnected():
+                    snap = feed.snapshot(since)
+                    since = snap["next"]
+                    yield f"data: {json.dumps(snap, allow_nan=False, default=str)}\n\n"
+                    await asyncio.sleep(LIVE_PERIOD)
+            finally:  # the page closed (or the server stops): nothing of this stream is left
+                feed.clients -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
 

@@ -68,6 +68,7 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self.run, name="dspark-engine", daemon=True)
         self.error: BaseException | None = None
         self.finished = threading.Event()  # the loop has returned (or failed)
+        self.feed = None  # a live.StepFeed, given each step's record
 
     # ---- caller side (event loop thread) ---------------------------------------------------------
     def start(self) -> None:
@@ -155,7 +156,12 @@ class AsyncEngine:
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         st = self.engine.stats[-1] if self.engine.stats else None
-        self.metrics.observe_step(elapsed, None if st is recorded else st)  # a step may record none
+        st = None if st is recorded else st  # a step may record none
+        self.metrics.observe_step(elapsed, st)
+        if self.engine.drift is not None:
+            self.metrics.observe_calibration(self.engine.drift.state)
+        if self.feed is not None:
+            self.feed.record(st, elapsed)
         self._observe_load()
         self._deliver(outputs)
 

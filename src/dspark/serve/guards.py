@@ -1,12 +1,15 @@
 """ASGI middleware in front of every route: the API key (when one is set) and the request body size limit, both
 answered in OpenAI's error shape before any route runs. The body is read here once (up to the limit) and replayed
-to the route; what the client sends after it (a disconnect) still reaches the route."""
+to the route; what the client sends after it (a disconnect) still reaches the route. The live page and its event
+stream may carry the key as `?key=...` instead (a browser's EventSource sends no headers)."""
 from __future__ import annotations
 
 import hmac
 import json
+from urllib.parse import parse_qs
 
 OPEN_PATHS = {"/health"}  # answered without the key (load balancers)
+PAGE_PATHS = {"", "/v1/live"}  # GET with ?key= accepted
 
 
 class Guards:
@@ -17,8 +20,11 @@ class Guards:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].rstrip("/") not in OPEN_PATHS:
+        path = scope["path"].rstrip("/")
+        if self.api_key is not None and path not in OPEN_PATHS:
             scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            if path in PAGE_PATHS and scope.get("method") == "GET" and scheme.lower() != b"bearer":
+                scheme, given = b"bearer", parse_qs(scope.get("query_string", b"").decode()).get("key", [""])[0].encode()
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key.encode()):
                 return await error(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                    "invalid_api_key")

@@ -26,6 +26,12 @@ class Metrics:
                                        buckets=SIZES, registry=r)
         self.drafts_verified = Histogram("dspark_drafts_verified_per_step", "drafts verified per request and step (ℓ_r)",
                                          buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)
+        self.calibration_ece = Gauge("dspark_calibration_window_ece", "pooled ECE of the confidence head's calibrated "
+                                     "survivals over the online window", registry=r)
+        self.calibration_bound = Gauge("dspark_calibration_window_bound", "the ECE that sampling noise and the "
+                                       "offline fit explain; above it, drift", registry=r)
+        self.calibration_alarms = Gauge("dspark_calibration_drift_alarms", "calibration drifts detected", registry=r)
+        self.calibration_refits = Gauge("dspark_calibration_refits", "STS re-fits applied online", registry=r)
         self.acceptance = Histogram("dspark_acceptance_length", "tokens per request and step (accepted + 1), τ",
                                     buckets=(1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9), registry=r)
 
@@ -41,6 +47,13 @@ class Metrics:
             for verified, accepted in zip(st.verified, st.accepted):
                 self.drafts_verified.observe(verified)
                 self.acceptance.observe(accepted + 1)
+
+    def observe_calibration(self, state) -> None:
+        """The drift monitor's last check (schedule/drift.py: DriftState)."""
+        self.calibration_ece.set(state.ece)
+        self.calibration_bound.set(state.bound)
+        self.calibration_alarms.set(state.alarms)
+        self.calibration_refits.set(state.refits)
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.requests.labels(out.finish_reason or "unknown").inc()

@@ -1,5 +1,5 @@
 """What `dspark serve` admits: the model name clients send, the API key, and the limits on each request and on the
-requests in flight (each a flag of `dspark serve`)."""
+requests in flight; and whether it re-fits its calibration online (each a flag of `dspark serve`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +15,7 @@ class ServerSettings:
     max_prompt_tokens: int | None = None  # the longest prompt (None: the context less one token)
     max_n: int = 16  # choices per request (times prompts, for a list of completion prompts)
     max_body_bytes: int = 1 << 20  # request body size; larger ones get 413
+    online_calibration: bool = False  # re-fit the confidence head's STS temperatures when calibration drifts
 
     def __post_init__(self):
         if self.max_waiting < 0:
