@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import shutil
 import time
 
 import httpx2 as httpx
@@ -122,3 +123,60 @@ def test_the_page_works_with_no_drafter_and_an_idle_server(live_server):
     finally:
         srv.uvicorn.should_exit = True
         srv.thread.join(30)
+
+
+# ---- in a real browser ------------------------------------------------------------------------------------
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (Debian's chromium and chromium-driver, which .ci/run installs) through selenium, given the
+    driver's path so that nothing is downloaded."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("no chromium/chromedriver on this machine (apt-get install chromium chromium-driver; CI has them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1200"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def page_figures(driver) -> dict[str, str]:
+    return {name: driver.find_element("id", name).text for name in
+            ("running", "waiting", "requests-finished", "generation-tokens", "steps-seen", "status", "ece-line")}
+
+
+def page_follows_the_server(driver, url: str, timeout: float = 30) -> bool:
+    """Open the page, answer two requests, and wait for the page's figures to change and to equal /metrics."""
+    driver.get(url + "/")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda p: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24), PROMPTS[:2]))
+    want = {"requests-finished": str(int(metric(url, "dspark_requests_total"))),
+            "generation-tokens": str(int(metric(url, "dspark_generation_tokens_total"))), "running": "0"}
+    return wait_until(lambda: all(page_figures(driver)[k] == v for k, v in want.items())
+                      and int(page_figures(driver)["steps-seen"]) > 0, timeout, every=0.25)
+
+
+def test_the_page_in_a_real_browser_shows_what_metrics_says(live_server, browser, monkeypatch, tmp_path):
+    """The page's figures change as requests run and end equal to /metrics; a screenshot of it is kept. With the event
+    stream broken (every snapshot raises) the same check fails: the page's figures come from the stream alone."""
+    assert page_follows_the_server(browser, live_server.url), page_figures(browser)
+    figures = page_figures(browser)
+    assert figures["status"].startswith("live") and "ECE" in figures["ece-line"]
+    browser.save_screenshot(str(tmp_path / "live.png"))
+    assert (tmp_path / "live.png").stat().st_size > 10_000
+
+    def broken(since):
+        raise RuntimeError("stream broken for the test")
+
+    monkeypatch.setattr(live_server.loop_engine.feed, "snapshot", broken)
+    assert not page_follows_the_server(browser, live_server.url, timeout=5)
+    assert page_figures(browser)["requests-finished"] == "-"
