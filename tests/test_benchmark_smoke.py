@@ -342,3 +342,18 @@ def test_drafter_cost_quick_writes_result(tmp_path):
     assert set(result["headline"]) == {"dspark_block_over_plain_step", "dspark_block_over_plain_step_t0"}
     for row in result["rows"]:
         assert row["block_calls"] > 0 and row["ms_backbone"] > 0 and row["block_over_plain_step"] > 0
+
+
+@pytest.mark.long
+def test_drift_quick_writes_result(tmp_path):
+    script = load_script(BENCHMARKS / "drift.py")
+    out = tmp_path / "drift"
+    threads = torch.get_num_threads()
+    try:
+        assert script.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["headline"]) == {"drift_ece_static", "drift_ece_refit", "drift_refit_over_static_throughput",
+                                       "drift_detection_steps", "drift_false_alarms", "page_overhead"}
+    assert {r["arm"] for r in result["rows"]} == {"static", "refit"} and (tmp_path / "drift_ece.png").is_file()
