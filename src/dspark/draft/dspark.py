@@ -13,6 +13,7 @@ from ..proposal import Proposal
 from .context_cache import ContextCacheDrafter
 from .draft_vocab import token_ids, widen
 from .dspark_model import DSparkModel
+from .inference_heads import InferenceHeads
 
 
 class DSparkDrafter(ContextCacheDrafter):
@@ -69,8 +70,10 @@ class DSparkDrafter(ContextCacheDrafter):
         lengths = torch.full((R,), K)
         temps = self.temperatures or [1.0] * G
         prev, state = anchors, m.markov_head.initial_state(R, h) if m.markov_head is not None else None
+        heads = InferenceHeads.of(m)
+        conf_h = heads.block_confidence(h[:, :K])
         for k in range(K):
-            bias, c_logit, state = m.head_step(prev, h[:, k], state)
+            bias, c_logit, state = heads.step(prev, h[:, k], state, None if conf_h is None else conf_h[:, k])
             logits = U[:, k] if bias is None else U[:, k] + bias
             if greedy:
                 choice = argmax_rows(logits)
