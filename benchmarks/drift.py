@@ -1,18 +1,20 @@
 """Calibration drift and the live page's cost.
 
 Drift: the bundled DSpark drafter (STS temperatures fitted offline) under the async scheduler serves prompts of the
-calibration domain, then prompts of a shifted one, at each R, twice: with the offline calibration only (the monitor
-checks but never re-fits) and with online re-fit (schedule/drift.py). Per run: the window ECE at every check (plot),
+calibration domain, then prompts of a shifted one, at each R, in two engines side by side (chunk by chunk, the order
+alternating): with the offline calibration only (the monitor checks but never re-fits) and with online re-fit
+(schedule/drift.py). Per run: the window ECE at every check (plot),
 throughput in the shifted phase, the step of the first re-fit after the shift (detection delay). A long run of the
 calibration domain alone with re-fit on counts false alarms.
 
 Page: `dspark serve` in this process answers the same concurrent requests with the step feed off, on with no page
 open, and on with `--pages` pages reading the event stream, interleaved: page_overhead = 1 - tokens/s with the pages
-open / tokens/s with the feed off.
+open / tokens/s with the feed off; and page_cpu_share, the time spent in the feed's code per second of serving with
+the pages open (under the GIL an upper bound on their cost, free of the machine's noise).
 
 Headline: drift_ece_static and drift_ece_refit (the window ECE at the end of the shifted phase, mean over R),
 drift_refit_over_static_throughput (the minimum over R), drift_detection_steps (the maximum over R),
-drift_false_alarms, page_overhead.
+drift_false_alarms, page_overhead, page_cpu_share.
 
     python benchmarks/drift.py                 # R = 1, 4, 16; mt-bench, then humaneval + mbpp
     python benchmarks/drift.py --quick         # smoke test
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import json
 import statistics
 import sys
 import threading
@@ -64,41 +67,61 @@ def parse_args(argv):
 
 
 # ---- drift ---------------------------------------------------------------------------------------------
-def serve_phase(llm: LLM, prompts: list[list[int]], params: SamplingParams, trace: list, phase: str) -> dict:
-    """Answer the prompts (R at a time) and append each check of the monitor to trace; tokens/s of the phase."""
-    engine, monitor = llm.engine, llm.engine.drift
-    start, tokens, checks = time.perf_counter(), 0, len(trace)
-    reqs = [engine.add_request(ids, dataclasses.replace(params, seed=i)) for i, ids in enumerate(prompts)]
-    last = (monitor.state.ece, monitor.state.bound, monitor.state.refits)
-    while engine.has_unfinished():
-        engine.step()
-        now = (monitor.state.ece, monitor.state.bound, monitor.state.refits)
-        if now != last:
-            trace.append({"phase": phase, "step": monitor.state.steps, "ece": now[0], "bound": now[1],
-                          "refits": now[2]})
-            last = now
-    tokens = sum(len(r.output_ids) for r in reqs)
-    return {"tokens_per_s": tokens / (time.perf_counter() - start), "checks": len(trace) - checks}
+class Arm:
+    """One engine (the bundled drafter, async scheduler, R requests at once) and its calibration monitor; the
+    tokens and seconds it spent per phase."""
+
+    def __init__(self, base: LLM, R: int, refit: bool, args):
+        self.llm = base.sibling("default", "async", max_num_seqs=R)
+        self.monitor = DriftMonitor.for_drafter(self.llm.engine.drafter, refit=refit, window=args.window,
+                                                min_rows=args.min_rows, check_every=args.check_every)
+        self.llm.engine.watch_calibration(self.monitor)
+        self.row = {"R": R, "arm": "refit" if refit else "static"}
+        self.trace: list[dict] = []
+        self.tokens: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def serve(self, prompts: list[list[int]], first_seed: int, params: SamplingParams, phase: str) -> None:
+        """Answer the prompts (R at a time) and append each check of the monitor to the trace."""
+        engine, state = self.llm.engine, self.monitor.state
+        start = time.perf_counter()
+        reqs = [engine.add_request(ids, dataclasses.replace(params, seed=first_seed + i)) for i, ids in enumerate(prompts)]
+        last = (state.ece, state.bound, state.refits)
+        while engine.has_unfinished():
+            engine.step()
+            if (state.ece, state.bound, state.refits) != last:
+                last = (state.ece, state.bound, state.refits)
+                self.trace.append({"phase": phase, "step": state.steps, "ece": state.ece, "bound": state.bound,
+                                   "refits": state.refits})
+        self.tokens[phase] = self.tokens.get(phase, 0) + sum(len(r.output_ids) for r in reqs)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def result(self) -> dict:
+        row, state = dict(self.row), self.monitor.state
+        for phase in self.tokens:
+            row[f"{phase}_tokens_per_s"] = self.tokens[phase] / self.seconds[phase]
+        row["trace"], row["alarms"], row["refits"] = self.trace, state.alarms, state.refits
+        shifted = [t for t in self.trace if t["phase"] == "shifted"]
+        row["ece_end"] = shifted[-1]["ece"] if shifted else None
+        begin = row.get("shifted_start_step")
+        refits = [e.step for e in state.events if e.kind == "refit" and begin is not None and e.step >= begin]
+        row["detection_steps"] = refits[0] - begin if refits else None
+        return row
 
 
-def drift_run(base: LLM, R: int, refit: bool, phases: list[tuple[str, list[list[int]]]], args) -> dict:
-    llm = base.sibling("default", "async", max_num_seqs=R)
-    monitor = DriftMonitor.for_drafter(llm.engine.drafter, refit=refit, window=args.window, min_rows=args.min_rows,
-                                       check_every=args.check_every)
-    llm.engine.watch_calibration(monitor)
+def drift_runs(base: LLM, R: int, arms_refit: list[bool], phases: list[tuple[str, list[list[int]]]], args) -> list[dict]:
+    """The arms side by side: each phase's prompts in chunks of 2R, every chunk through each arm in turn (the order
+    alternating), so that the machine's drifts in speed fall on both alike."""
+    arms = [Arm(base, R, refit, args) for refit in arms_refit]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
-    trace, row = [], {"R": R, "arm": "refit" if refit else "static"}
     for phase, prompts in phases:
-        started = monitor.state.steps
-        row[f"{phase}_tokens_per_s"] = serve_phase(llm, prompts, params, trace, phase)["tokens_per_s"]
-        row[f"{phase}_start_step"] = started
-    row["trace"] = trace
-    row["alarms"], row["refits"] = monitor.state.alarms, monitor.state.refits
-    shifted = [t for t in trace if t["phase"] == "shifted"]
-    row["ece_end"] = shifted[-1]["ece"] if shifted else None
-    refits = [e.step for e in monitor.state.events if e.kind == "refit" and e.step >= row.get("shifted_start_step", 0)]
-    row["detection_steps"] = refits[0] - row["shifted_start_step"] if refits and "shifted_start_step" in row else None
-    return row
+        for arm in arms:
+            arm.row[f"{phase}_start_step"] = arm.monitor.state.steps
+        size = 2 * R
+        for i, first in enumerate(range(0, len(prompts), size)):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                arm.serve(prompts[first:first + size], first, params, phase)
+    return [arm.result() for arm in arms]
 
 
 # ---- the page's cost -------------------------------------------------------------------------------------
@@ -142,10 +165,35 @@ def timed_requests(url: str, prompts: list[str], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+class PageClock:
+    """Seconds spent in the feed's code (each step's record; each event's snapshot and its JSON), which under the GIL
+    the engine thread waits for: an upper bound on what the page costs decoding, free of the machine's noise."""
+
+    def __init__(self, feed):
+        self.seconds = 0.0
+        record, snapshot = feed.record, feed.snapshot
+
+        def timed_record(*a):
+            t0 = time.perf_counter()
+            record(*a)
+            self.seconds += time.perf_counter() - t0
+
+        def timed_snapshot(since):
+            t0 = time.perf_counter()
+            snap = snapshot(since)
+            json.dumps(snap, default=str)  # what the route then does with it
+            self.seconds += time.perf_counter() - t0
+            return snap
+
+        feed.record, feed.snapshot = timed_record, timed_snapshot
+
+
 def page_cost(base: LLM, prompts: list[str], args, log) -> dict:
     srv = InProcessServer(base.sibling("default", "async", max_num_seqs=len(prompts)))
     feed = srv.app.state.engine.feed
+    clock = PageClock(feed)
     rates = {"feed_off": [], "feed_on": [], "pages_open": []}
+    shares = {"feed_on": [], "pages_open": []}
     try:
         timed_requests(srv.url, prompts[:1], 4)  # warm-up
         for rep in range(args.page_repeats):
@@ -154,7 +202,10 @@ def page_cost(base: LLM, prompts: list[str], args, log) -> dict:
                 srv.app.state.engine.feed = None if condition == "feed_off" else feed
                 stop = threading.Event()
                 pages = read_pages(srv.url, args.pages, stop) if condition == "pages_open" else []
+                clock.seconds, start = 0.0, time.perf_counter()
                 rates[condition].append(timed_requests(srv.url, prompts, args.max_new_tokens))
+                if condition in shares:
+                    shares[condition].append(clock.seconds / (time.perf_counter() - start))
                 stop.set()
                 for t in pages:
                     t.join(5)
@@ -165,7 +216,8 @@ def page_cost(base: LLM, prompts: list[str], args, log) -> dict:
     off = statistics.median(rates["feed_off"])
     return {"tokens_per_s": {k: spread(v) for k, v in rates.items()},
             "feed_overhead": 1 - statistics.median(rates["feed_on"]) / off,
-            "page_overhead": 1 - statistics.median(rates["pages_open"]) / off}
+            "page_overhead": 1 - statistics.median(rates["pages_open"]) / off,
+            "page_cpu_share": {k: spread(v) for k, v in shares.items()}}
 
 
 def markdown(result: dict) -> str:
@@ -183,7 +235,10 @@ def markdown(result: dict) -> str:
             f"alone, re-fit on: {result['false_alarm_run']['alarms']}.\n\nThe page: {s['page_requests']} concurrent "
             f"requests, {s['page_repeats']} interleaved repeats; tokens/s median [min, max]: " +
             ", ".join(f"{k} {v['median']:.1f} [{v['min']:.1f}, {v['max']:.1f}]" for k, v in page["tokens_per_s"].items())
-            + f" ({s['pages']} pages open in the last).\n\nHeadline: " + ", ".join(f"`{k}` {v}" for k, v in h.items())
+            + f" ({s['pages']} pages open in the last). Time in the feed's code (records, snapshots and their JSON) "
+            "per second of serving, median [min, max]: " + ", ".join(
+                f"{k} {v['median']:.4f} [{v['min']:.4f}, {v['max']:.4f}]" for k, v in page["page_cpu_share"].items())
+            + ".\n\nHeadline: " + ", ".join(f"`{k}` {v}" for k, v in h.items())
             + "\n\n![window ECE](drift_ece.png)\n")
 
 
@@ -222,12 +277,11 @@ def main(argv=None) -> int:
                                                                     tuple(args.calibration_sets.split(",")))]
     rows = []
     for R in [int(x) for x in args.concurrency.split(",")]:
-        for refit in (False, True):
-            rows.append(drift_run(base, R, refit, [("calibration", chat), ("shifted", shifted)], args))
-            r = rows[-1]
+        rows += drift_runs(base, R, [False, True], [("calibration", chat), ("shifted", shifted)], args)
+        for r in rows[-2:]:
             log(f"R = {R} {r['arm']}: shifted {r['shifted_tokens_per_s']:.1f} tok/s, ECE at the end {r['ece_end']}, "
                 f"refits {r['refits']}, detection {r['detection_steps']} steps")
-    false_run = drift_run(base, max(r["R"] for r in rows), True, [("calibration", long_chat)], args)
+    false_run = drift_runs(base, max(r["R"] for r in rows), [True], [("calibration", long_chat)], args)[0]
     log(f"false-alarm run: {false_run['alarms']} alarms over {len(long_chat)} prompts")
     page_prompts = [p["text"] for p in load_prompts(args.data_dir, args.page_requests)]
     page = page_cost(base, page_prompts, args, log)
@@ -248,7 +302,8 @@ def main(argv=None) -> int:
     result["headline"] = {"drift_ece_static": mean_ece("static"), "drift_ece_refit": mean_ece("refit"),
                           "drift_refit_over_static_throughput": min(ratios),
                           "drift_detection_steps": None if None in delays else max(delays),
-                          "drift_false_alarms": false_run["alarms"], "page_overhead": page["page_overhead"]}
+                          "drift_false_alarms": false_run["alarms"], "page_overhead": page["page_overhead"],
+                          "page_cpu_share": page["page_cpu_share"]["pages_open"]["median"]}
     return finish(result, args.out, markdown, {"ece": lambda path: plot_ece(result, path)}, log)
 
 

@@ -355,5 +355,6 @@ def test_drift_quick_writes_result(tmp_path):
         torch.set_num_threads(threads)
     result = json.loads(out.with_suffix(".json").read_text())
     assert set(result["headline"]) == {"drift_ece_static", "drift_ece_refit", "drift_refit_over_static_throughput",
-                                       "drift_detection_steps", "drift_false_alarms", "page_overhead"}
+                                       "drift_detection_steps", "drift_false_alarms", "page_overhead",
+                                       "page_cpu_share"}
     assert {r["arm"] for r in result["rows"]} == {"static", "refit"} and (tmp_path / "drift_ece.png").is_file()
