@@ -4,12 +4,13 @@ no external assets) through server-sent events at GET /v1/live.
 StepFeed.record runs on the engine thread after each step and keeps a small dict: time, step milliseconds, running,
 waiting and KV slots, and for a decoding step B, R, drafts proposed / verified / accepted, each request's ℓ_r, the
 tokens the step emitted, and the batch's first request's verified drafts and new tokens (the page follows one request
-with them). snapshot(since) is what one event carries: the records after `since`, the totals (the server's own
-Prometheus counters, so the page and /metrics agree), the SPS(B) cost table with the last step's operating point,
-and the reliability diagram of the calibration window (schedule/drift.py) with its ECE, bound, alarms and re-fits.
+with them). snapshot(since) is what one event carries: the records after `since`, and, made once for every page
+open, the totals (the server's own Prometheus counters, so the page and /metrics agree), the SPS(B) cost table and
+the reliability diagram of the calibration window (schedule/drift.py) with its ECE, bound, alarms and re-fits.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from pathlib import Path
@@ -26,6 +27,7 @@ PAGE = Path(__file__).with_name("static") / "live.html"
 LIVE_PERIOD = 0.5  # seconds between two events of a stream
 RING = 4096  # step records kept
 MAX_RECORDS = 512  # records sent in one event at most (a page that fell behind skips the rest)
+SHARED_EVERY = 0.25  # seconds the part of an event every page gets alike is reused
 RELIABILITY_BINS = 10
 COST_POINTS = 48  # points of the cost curve sent
 
@@ -46,6 +48,7 @@ class StepFeed:
         self.count = 0  # records ever made: the next record's index
         self.clients = 0  # event streams open
         self.calibration: tuple[int, dict | None] = (-1, None)  # (monitor step, diagram) of the last computation
+        self.shared_part: tuple[float, dict] | None = None  # (time made, the part every page gets)
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def record(self, st: StepStats | None, seconds: float) -> None:
@@ -63,19 +66,29 @@ class StepFeed:
 
     # ---- event stream --------------------------------------------------------------------------------
     def snapshot(self, since: int) -> dict:
-        records = [r for r in list(self.records) if r["i"] >= since][-MAX_RECORDS:]
+        new = max(0, min(self.count - since, MAX_RECORDS, len(self.records)))
+        records = list(itertools.islice(reversed(self.records), new))[::-1]  # the ring's newest, in order
         for r in records:
             if r.get("first") and "words" not in r:  # decoded once, on the first read
-                request_id, drafts, new = r["first"]
+                request_id, drafts, tokens = r["first"]
                 r["words"] = {"id": request_id, "drafts": [self.token_text.text(t) for t in drafts],
-                              "new": [self.token_text.text(t) for t in new]}
-        e, m = self.engine, self.metrics
+                              "new": [self.token_text.text(t) for t in tokens]}
         return {"next": self.count, "records": [{k: v for k, v in r.items() if k != "first"} for r in records],
+                **self.shared()}
+
+    def shared(self) -> dict:
+        """What every page gets alike (totals, cost curve, calibration), made at most once per SHARED_EVERY seconds
+        however many pages are open."""
+        now = time.monotonic()
+        if self.shared_part is None or now - self.shared_part[0] > SHARED_EVERY:
+            e, m = self.engine, self.metrics
+            self.shared_part = (now, {
                 "totals": {"running": len(e.running), "waiting": len(e.waiting), "kv": e.cache.num_used,
                            "kv_slots": e.config.max_num_seqs, "requests": counter_total(m.requests),
                            "generation_tokens": counter_total(m.generation_tokens),
                            "drafter": type(e.drafter).__name__, "scheduler": getattr(e.scheduler, "name", "")},
-                "cost": self.cost_curve(), "calibration": self.reliability()}
+                "cost": self.cost_curve(), "calibration": self.reliability()})
+        return self.shared_part[1]
 
     def cost_curve(self) -> dict | None:
         cost = getattr(self.engine.scheduler, "cost", None)
