@@ -37,7 +37,7 @@ def prompt_hash(prompt_ids: list[int]) -> int:
 
 def pack(data: Path, out: Path, num_prompts: int, mix: str | None = None):
     """Answers of a regenerated JSONL (file order kept: the trainer holds out the last records) into one .npz."""
-    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in data.read_text(encoding="utf-8").split("\n") if line.strip()]  # not splitlines: answers hold U+2028
     meta = json.loads(data.with_name(data.name + ".meta.json").read_text())
     answers = [r["answer_ids"] for r in records]
     if max(max(a, default=0) for a in answers) >= 2 ** 16:
