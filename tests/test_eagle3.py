@@ -117,5 +117,5 @@ def test_trainer_trains_eagle3_and_mtp(tiny_target_dir, train_data, tmp_path, ki
     trainer.fit()
     after = trainer.losses(trainer.train_recs[:4], 0).total.item()
     assert after < before
-    resumed = Trainer(train_config(train_data, tmp_path, tiny_target_dir, drafter_type=kind, steps=4))
+    resumed = Trainer(train_config(train_data, tmp_path, tiny_target_dir, drafter_type=kind, steps=4, lr=1e-2))
     assert resumed.step == 4 and isinstance(resumed.model, Eagle3Model)
