@@ -329,16 +329,20 @@ def test_prefill_quick_writes_result(tmp_path):
     assert "ttft_loop_over_fused" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.long
-def test_drafter_cost_quick_writes_result(tmp_path):
-    script = load_script(BENCHMARKS / "drafter_cost.py")
-    out = tmp_path / "drafter_cost"
+def quick_result(name: str, tmp_path) -> dict:
+    """Run benchmarks/NAME.py --quick at one thread into tmp_path; its JSON result."""
+    out = tmp_path / name
     threads = torch.get_num_threads()
     try:
-        assert script.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+        assert load_script(BENCHMARKS / f"{name}.py").main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     finally:
-        torch.set_num_threads(threads)
-    result = json.loads(out.with_suffix(".json").read_text())
+        torch.set_num_threads(threads)  # the script sets the process-wide thread count
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+@pytest.mark.long
+def test_drafter_cost_quick_writes_result(tmp_path):
+    result = quick_result("drafter_cost", tmp_path)
     assert set(result["headline"]) == {"dspark_block_over_plain_step", "dspark_block_over_plain_step_t0"}
     for row in result["rows"]:
         assert row["block_calls"] > 0 and row["ms_backbone"] > 0 and row["block_over_plain_step"] > 0
@@ -346,14 +350,7 @@ def test_drafter_cost_quick_writes_result(tmp_path):
 
 @pytest.mark.long
 def test_drift_quick_writes_result(tmp_path):
-    script = load_script(BENCHMARKS / "drift.py")
-    out = tmp_path / "drift"
-    threads = torch.get_num_threads()
-    try:
-        assert script.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(out.with_suffix(".json").read_text())
+    result = quick_result("drift", tmp_path)
     assert set(result["headline"]) == {"drift_ece_static", "drift_ece_refit", "drift_refit_over_static_throughput",
                                        "drift_detection_steps", "drift_false_alarms", "page_overhead",
                                        "page_cpu_share"}
